@@ -1,0 +1,43 @@
+"""kvmem: read a transformer's feed-forward layers as key-value memories.
+
+Importing kvmem is cheap: torch, transformers and pandas load on first use.
+"""
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute); attribute None exports the module itself
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "KvmemError": ("kvmem.errors", "KvmemError"),
+    "load_model": ("kvmem.models", "load_model"),
+    "Model": ("kvmem.models", "Model"),
+    "corpus": ("kvmem.corpus", None),
+    "anatomy": ("kvmem.anatomy", None),
+    "scan": ("kvmem.scanning", "scan"),
+    "merge": ("kvmem.scanning", "merge"),
+    "open": ("kvmem.atlas", "open_atlas"),
+    "Atlas": ("kvmem.atlas", "Atlas"),
+    "trace": ("kvmem.tracing", "trace"),
+    "intervene": ("kvmem.intervention", "intervene"),
+    "plots": ("kvmem.plots", None),
+    "experiments": ("kvmem.experiments", None),
+    "report": ("kvmem.report", None),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kvmem' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,5 @@
+import sys
+
+from kvmem.cli import main
+
+sys.exit(main())

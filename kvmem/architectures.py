@@ -1,0 +1,149 @@
+"""One table that maps each supported architecture to its FFN parts.
+
+Nothing else in kvmem reaches into a model's module tree or formats a hook name: every
+accessor in :class:`kvmem.models.Model` goes through :func:`get_spec` and :func:`hook_name`.
+
+Notation (also in README): for layer L with ``d_ff`` slots,
+- key k_i      = row i of W1 (plain FFN) or of W_up (gated FFN)      [d_ff, d_model]
+- gate key g_i = row i of W_gate (gated FFN only)                      [d_ff, d_model]
+- coefficient  m_i = act(x·k_i + b1_i)  or  act(x·g_i)·(x·u_i)         hook ``blocks.L.mlp.hook_post``
+- value v_i    = column i of W2 / W_down, stored here as row i         [d_ff, d_model]
+- FFN(x) = Σ_i m_i v_i + b2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmem.errors import KvmemError
+
+__all__ = ["ArchitectureSpec", "ARCHITECTURES", "ACTIVATIONS", "get_spec", "hook_name", "HOOK_SITES"]
+
+NormKind = Literal["layernorm", "rmsnorm"]
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """Where the FFN parts of one HF architecture live (module paths relative to the model)."""
+
+    family: str  # short name shown to users
+    layers: str  # path of the ModuleList of blocks
+    mlp: str  # path of the FFN inside a block
+    attention: str  # path of the attention sublayer inside a block
+    key: str  # W1 / W_up, inside the FFN
+    value: str  # W2 / W_down, inside the FFN
+    gate: str | None  # W_gate inside the FFN, None for a plain FFN
+    conv1d: bool  # HF Conv1D stores weights as (in, out): transpose to (out, in)
+    embedding: str  # input embedding module (weight [vocab, d_model])
+    final_norm: str  # final norm module before the unembedding
+    norm_kind: NormKind
+    norm_gain_offset: float  # Gemma's RMSNorm multiplies by (1 + weight)
+    unembedding: str  # lm_head (weight [vocab, d_model])
+    activation_fields: tuple[str, ...]  # config fields naming the activation, first found wins
+    n_ctx_fields: tuple[str, ...]
+
+
+def _llama_like(family: str, **overrides) -> ArchitectureSpec:
+    fields = dict(
+        family=family,
+        layers="model.layers",
+        mlp="mlp",
+        attention="self_attn",
+        key="up_proj",
+        value="down_proj",
+        gate="gate_proj",
+        conv1d=False,
+        embedding="model.embed_tokens",
+        final_norm="model.norm",
+        norm_kind="rmsnorm",
+        norm_gain_offset=0.0,
+        unembedding="lm_head",
+        activation_fields=("hidden_act",),
+        n_ctx_fields=("max_position_embeddings",),
+    )
+    fields.update(overrides)
+    return ArchitectureSpec(**fields)
+
+
+# HF config.model_type -> spec
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "gpt2": ArchitectureSpec(
+        family="gpt2",
+        layers="transformer.h",
+        mlp="mlp",
+        attention="attn",
+        key="c_fc",
+        value="c_proj",
+        gate=None,
+        conv1d=True,
+        embedding="transformer.wte",
+        final_norm="transformer.ln_f",
+        norm_kind="layernorm",
+        norm_gain_offset=0.0,
+        unembedding="lm_head",
+        activation_fields=("activation_function",),
+        n_ctx_fields=("n_positions", "n_ctx"),
+    ),
+    "gpt_neox": ArchitectureSpec(
+        family="gpt_neox",
+        layers="gpt_neox.layers",
+        mlp="mlp",
+        attention="attention",
+        key="dense_h_to_4h",
+        value="dense_4h_to_h",
+        gate=None,
+        conv1d=False,
+        embedding="gpt_neox.embed_in",
+        final_norm="gpt_neox.final_layer_norm",
+        norm_kind="layernorm",
+        norm_gain_offset=0.0,
+        unembedding="embed_out",
+        activation_fields=("hidden_act",),
+        n_ctx_fields=("max_position_embeddings",),
+    ),
+    "llama": _llama_like("llama"),
+    "mistral": _llama_like("mistral"),
+    "qwen2": _llama_like("qwen2"),
+    "qwen3": _llama_like("qwen3"),
+    "gemma": _llama_like("gemma", norm_gain_offset=1.0, activation_fields=("hidden_activation", "hidden_act")),
+    "gemma2": _llama_like("gemma2", norm_gain_offset=1.0, activation_fields=("hidden_activation", "hidden_act")),
+}
+
+# exact HF activation name -> (formula, how it is computed)
+ACTIVATIONS: dict[str, str] = {
+    "gelu_new": "GELU, tanh approximation",
+    "gelu_pytorch_tanh": "GELU, tanh approximation",
+    "gelu_fast": "GELU, tanh approximation (fast form)",
+    "gelu": "GELU, exact erf form",
+    "silu": "SiLU (swish)",
+    "swish": "SiLU (swish)",
+    "relu": "ReLU",
+}
+
+# hook sites of an FFN, named as TransformerLens names them
+HOOK_SITES = {
+    "in": "hook_in",  # FFN input (after the pre-FFN norm)      [batch, pos, d_model]
+    "pre": "hook_pre",  # W1 x + b1, or the gate W_gate x        [batch, pos, d_ff]
+    "pre_linear": "hook_pre_linear",  # W_up x (gated only)       [batch, pos, d_ff]
+    "post": "hook_post",  # memory coefficients m                [batch, pos, d_ff]
+    "out": "hook_out",  # FFN output Σ m_i v_i + b2             [batch, pos, d_model]
+}
+
+
+def hook_name(layer: int, site: str = "post") -> str:
+    """TransformerLens hook name of an FFN site, e.g. ``blocks.6.mlp.hook_post``."""
+    if site not in HOOK_SITES:
+        raise KvmemError(f"unknown FFN hook site {site!r}; choose one of {sorted(HOOK_SITES)}")
+    return f"blocks.{layer}.mlp.{HOOK_SITES[site]}"
+
+
+def get_spec(model_type: str) -> ArchitectureSpec:
+    """The spec for an HF ``config.model_type``; a clear error for anything else."""
+    try:
+        return ARCHITECTURES[model_type]
+    except KeyError:
+        raise KvmemError(
+            f"unsupported architecture {model_type!r}: kvmem has no FFN table entry for it; "
+            f"supported model types are {', '.join(sorted(ARCHITECTURES))}"
+        ) from None

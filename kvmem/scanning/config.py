@@ -1,0 +1,107 @@
+"""Scan settings: one frozen, keyword-only dataclass, validated with errors that name the fix."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from kvmem.errors import KvmemError
+from kvmem.schema import CONVENTIONS
+
+__all__ = ["ScanConfig", "parse_shard"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScanConfig:
+    """Every setting that changes what a scan finds (all recorded in the manifest).
+
+    layers:           layers to scan, None = all
+    top_k:            triggers kept per neuron, highest and lowest
+    per_document:     also keep the best position of each document (Geva et al. kept one per sentence)
+    max_tokens:       stop after this many scored tokens (None = whole corpus)
+    window:           tokens per window (None = min(model context, 256))
+    batch_size:       windows per forward pass
+    prepend_bos:      prepend the tokenizer's BOS token to every window (never scored)
+    context_before / context_after: context tokens kept around each trigger
+    context_activations: recompute each trigger's neuron on its context tokens (one more forward per window with triggers)
+    top_n:            tokens kept per value / key projection, each direction
+    conventions:      value projection conventions (see kvmem.schema.CONVENTIONS)
+    shard:            (i, n): scan documents with index % n == i
+    checkpoint_every: tokens between checkpoints (None = no checkpoints)
+    """
+
+    layers: tuple[int, ...] | None = None
+    top_k: int = 25
+    per_document: bool = False
+    max_tokens: int | None = None
+    window: int | None = None
+    batch_size: int = 8
+    prepend_bos: bool = True
+    context_before: int = 12
+    context_after: int = 4
+    context_activations: bool = True
+    top_n: int = 20
+    conventions: tuple[str, ...] = ("raw", "final_norm")
+    shard: tuple[int, int] = (0, 1)
+    checkpoint_every: int | None = None
+    _extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise KvmemError(f"{name} must be an integer >= 1, got {value!r}")
+
+        positive("top_k", self.top_k)
+        positive("batch_size", self.batch_size)
+        positive("top_n", self.top_n)
+        positive("max_tokens", self.max_tokens, allow_none=True)
+        positive("window", self.window, allow_none=True)
+        positive("checkpoint_every", self.checkpoint_every, allow_none=True)
+        for name in ("context_before", "context_after"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise KvmemError(f"{name} must be an integer >= 0, got {value!r}")
+        unknown = [c for c in self.conventions if c not in CONVENTIONS]
+        if unknown or not self.conventions:
+            raise KvmemError(f"unknown projection convention(s) {unknown or '(none given)'}; choose from {', '.join(CONVENTIONS)}")
+        index, count = self.shard
+        if not (isinstance(index, int) and isinstance(count, int) and count >= 1 and 0 <= index < count):
+            raise KvmemError(f"shard must be i/N with 0 <= i < N, got {index}/{count}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(sorted(set(int(layer) for layer in self.layers))))
+            if not self.layers:
+                raise KvmemError("layers is empty; pass None to scan every layer")
+        object.__setattr__(self, "conventions", tuple(self.conventions))
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("_extra")
+        data["layers"] = list(self.layers) if self.layers is not None else None
+        data["conventions"] = list(self.conventions)
+        data["shard"] = list(self.shard)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ScanConfig:
+        known = {f.name for f in fields(cls)} - {"_extra"}
+        values = {k: v for k, v in data.items() if k in known}
+        for name in ("layers", "conventions", "shard"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        return cls(**values)
+
+    # settings that must agree between a checkpoint and its resumption (all but the bookkeeping ones)
+    def resume_key(self) -> dict:
+        data = self.to_dict()
+        data.pop("checkpoint_every")
+        return data
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'2/8' -> (2, 8)."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise KvmemError(f"--shard expects i/N (e.g. 0/4), got {text!r}") from None
+    return index, count

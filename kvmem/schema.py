@@ -1,0 +1,97 @@
+"""The atlas format: files, tables and their columns. Change FORMAT_VERSION when this changes.
+
+An atlas is a directory:
+
+    manifest.json      provenance and every setting (see ``kvmem.scanning.writer.build_manifest``)
+    neurons.parquet    one row per (layer, neuron)
+    triggers.parquet   top / bottom coefficients with their text
+    values.parquet     value vectors projected through the unembedding
+    keys.parquet       key vectors projected through the input embedding
+    histograms.parquet per-neuron coefficient histograms over fixed bins (edges in the manifest)
+
+Every table is sorted by (layer, neuron, ...) and written in row groups that never span a
+layer and hold at most ``ROW_GROUP_NEURONS`` neurons, so a selection reads one row group.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS", "VALUE_KINDS",
+           "CONVENTIONS", "KEY_VECTORS"]
+
+FORMAT_VERSION = 1
+ROW_GROUP_NEURONS = 64
+TABLES = ("neurons", "triggers", "values", "keys", "histograms")
+
+TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
+VALUE_KINDS = ("promote", "suppress")
+CONVENTIONS = {
+    "raw": "score = W_U^T v (LM-Debugger's reading: no final norm)",
+    "final_norm": "score = W_U^T (gain * centre(v)) for LayerNorm, W_U^T (gain * v) for RMSNorm: the final "
+                  "norm's linear part (as ffn-values and OpenAI's neuron viewer); the positive scale 1/sigma and "
+                  "the bias are dropped, so rankings equal lm_head(ln_f(v)) up to the bias's constant offset",
+}
+KEY_VECTORS = ("key", "gate")  # key: W1 / W_up row; gate: W_gate row (gated FFNs only)
+
+# table -> column -> meaning (the order is the column order on disk)
+COLUMNS: dict[str, dict[str, str]] = {
+    "neurons": {
+        "layer": "int16, FFN layer",
+        "neuron": "int32, slot i within the layer (row of W1 / column of W2)",
+        "count": "int64, positions scanned",
+        "mean": "float64, mean coefficient m_i",
+        "std": "float64, population standard deviation of m_i",
+        "min": "float32, lowest m_i seen",
+        "max": "float32, highest m_i seen",
+        "frac_positive": "float64, fraction of positions with m_i > 0",
+        "act_sum": "float64, sum of m_i (for exact merging)",
+        "act_sq_sum": "float64, sum of m_i^2 (for exact merging)",
+        "key_norm": "float32, ||k_i|| (W1 row, W_up row when gated)",
+        "gate_norm": "float32, ||g_i|| (W_gate row), NaN for a plain FFN",
+        "value_norm": "float32, ||v_i||",
+    },
+    "triggers": {
+        "layer": "int16",
+        "neuron": "int32",
+        "kind": "string: top | bottom | top_doc | bottom_doc",
+        "rank": "int16, 0 = most extreme",
+        "activation": "float32, the coefficient m_i at this position",
+        "doc": "int64, index of the document in the corpus stream",
+        "doc_id": "string, the document's stable id",
+        "pos": "int32, token position within the document's token sequence",
+        "token_id": "int32, the trigger token",
+        "token": "string, its text",
+        "next_token_id": "int32, the following token in the document, -1 at the end",
+        "next_token": "string, its text ('' at the end)",
+        "context": "string, text of the context tokens (inside the window the model read)",
+        "span_start": "int32, character offset of the trigger token in context",
+        "span_end": "int32, end offset (exclusive)",
+        "context_tokens": "list<string>, the context split into tokens (concatenated they give context)",
+        "context_trigger": "int16, index of the trigger token in context_tokens",
+        "context_activations": "list<float32>, m_i of this neuron at each context token (empty if not computed)",
+    },
+    "values": {
+        "layer": "int16",
+        "neuron": "int32",
+        "convention": "string: raw | final_norm (see CONVENTIONS)",
+        "kind": "string: promote | suppress",
+        "rank": "int16, 0 = strongest",
+        "token_id": "int32",
+        "token": "string",
+        "score": "float32, the token's logit contribution per unit coefficient",
+    },
+    "keys": {
+        "layer": "int16",
+        "neuron": "int32",
+        "vector": "string: key | gate",
+        "kind": "string: promote | suppress (highest / lowest dot product with the input embedding)",
+        "rank": "int16",
+        "token_id": "int32",
+        "token": "string",
+        "score": "float32, W_E[token] . k",
+    },
+    "histograms": {
+        "layer": "int16",
+        "neuron": "int32",
+        "counts": "list<int64> of length HIST_BINS, counts per bin (edges in manifest['histogram']['edges'])",
+    },
+}

@@ -1,0 +1,348 @@
+"""Trace a prediction through the FFN layers: which memories build it, layer by layer.
+
+For one position of one prompt, :func:`trace` reads every layer's coefficients m (``hook_post``)
+and ranks the sub-updates m_i v_i by their weight |m_i|·‖v_i‖ (Geva et al. 2022). Each value is
+projected through the unembedding under a named convention (see :data:`CONVENTIONS`) to show the
+tokens it promotes. The residual stream before and after each FFN is read with the logit lens:
+the full final norm, then W_U and b_U, exactly as the model computes its real logits.
+
+Shapes use one vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``pos``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvmem.errors import KvmemError
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from torch import Tensor
+
+    from kvmem.models import FinalNorm, Model
+
+__all__ = ["trace", "Trace", "plot_prediction_formation", "project", "apply_final_norm", "CONVENTIONS", "SUB_UPDATE_COLUMNS", "LAYER_COLUMNS"]
+
+# projection convention -> what a value v [d_model] is multiplied by to give vocabulary scores [vocab]
+CONVENTIONS: dict[str, str] = {
+    "raw": "W_U^T v (no norm; LM-Debugger's convention)",
+    "final_norm": "W_U^T (final_norm.linear_part(v)) (centring + gain of the final norm, no 1/sigma, no bias)",
+}
+
+SUB_UPDATE_COLUMNS: dict[str, str] = {
+    "layer": "layer index",
+    "rank": "1 = the heaviest sub-update of this layer at this position",
+    "slot": "memory slot i (0..d_ff-1)",
+    "coefficient": "m_i at hook_post (signed; gated FFNs have large negative ones)",
+    "value_norm": "||v_i||",
+    "weight": "|m_i| * ||v_i||",
+    "weight_share": "weight / sum of all d_ff weights of the layer",
+    "final_token_logit": "m_i * score of the final prediction under the convention: its direct push on that logit",
+    "update_tokens": "top tokens of sign(m_i) * projection(v_i): what this sub-update actually promotes",
+    "value_tokens": "top tokens of projection(v_i): what the value promotes when m_i > 0",
+}
+
+LAYER_COLUMNS: dict[str, str] = {
+    "layer": "layer index",
+    "top_before": "logit-lens top token of the residual before the FFN (hook_resid_mid)",
+    "top_before_id": "its token id",
+    "top_before_prob": "its probability",
+    "top_after": "logit-lens top token after the FFN (hook_resid_post)",
+    "top_after_id": "its token id",
+    "top_after_prob": "its probability",
+    "changed": "the FFN changed the top prediction",
+    "final_rank_before": "rank (1 = top) of the model's final prediction before the FFN",
+    "final_prob_before": "its probability before the FFN",
+    "final_rank_after": "rank of the final prediction after the FFN",
+    "final_prob_after": "its probability after the FFN",
+    "ffn_norm": "||FFN output|| at the position",
+}
+
+
+@dataclass(frozen=True, repr=False)
+class Trace:
+    """Result of :func:`trace`.
+
+    ``sub_updates``: one row per (layer, rank) sub-update, columns :data:`SUB_UPDATE_COLUMNS`.
+    ``layers``: one row per layer, columns :data:`LAYER_COLUMNS`.
+    ``attrs``: provenance (model, fingerprint, prompt, tokens, position, convention, kvmem version);
+    both frames carry a copy in ``frame.attrs``.
+    """
+
+    sub_updates: pd.DataFrame
+    layers: pd.DataFrame
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def plot(self, *, ax=None):
+        """:func:`plot_prediction_formation` of this trace."""
+        return plot_prediction_formation(self, ax=ax)
+
+    def summary(self, *, per_layer: int = 3) -> pd.DataFrame:
+        """The layer table with the ``per_layer`` heaviest sub-updates of each layer as one text column."""
+        heavy = self.sub_updates[self.sub_updates["rank"] <= per_layer]
+        if "update_tokens" in heavy:
+            text = heavy.apply(lambda r: f"{r.slot}({r.coefficient:+.2g}):{'|'.join(r.update_tokens[:2])}", axis=1)
+        else:
+            text = heavy.apply(lambda r: f"{r.slot}({r.coefficient:+.2g})", axis=1)
+        joined = text.groupby(heavy["layer"]).agg(" ".join) if len(heavy) else None
+        table = self.layers[["layer", "top_before", "top_after", "changed", "final_prob_before", "final_prob_after"]]
+        table = table.copy()
+        table["memories"] = table["layer"].map(joined) if joined is not None else ""
+        return table
+
+    def _header(self) -> str:
+        a = self.attrs
+        return (f"Trace of {a.get('model')!r} at position {a.get('position')} ({a.get('position_token')!r}) -> "
+                f"final prediction {a.get('final_token')!r}; convention={a.get('convention')}, "
+                f"{len(self.layers)} layers, {len(self.sub_updates)} sub-updates")
+
+    def __repr__(self) -> str:
+        return self._header() + "\n" + self.summary().to_string(index=False)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<p>{html.escape(self._header())}</p>" + self.summary().to_html(index=False)
+
+
+# ---- helpers ----
+def _check_convention(convention: str) -> None:
+    if convention not in CONVENTIONS:
+        raise KvmemError(f"unknown projection convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+
+
+def _prompt_ids(model: Model, prompt: str | list[int], prepend_bos: bool) -> list[int]:
+    if isinstance(prompt, str):
+        ids = model.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise KvmemError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if prepend_bos:
+        if model.bos_token_id is None:
+            raise KvmemError("prepend_bos=True but this tokenizer has no BOS token; pass prepend_bos=False")
+        ids = [model.bos_token_id, *ids]
+    if not ids:
+        raise KvmemError("the prompt has no tokens; pass a non-empty prompt")
+    if model.n_ctx and len(ids) > model.n_ctx:
+        raise KvmemError(f"the prompt has {len(ids)} tokens, more than the model's context of {model.n_ctx}; shorten it")
+    return ids
+
+
+def _resolve_position(position: int, n_tokens: int) -> int:
+    if isinstance(position, bool) or not isinstance(position, int):
+        raise KvmemError(f"position must be an int, got {position!r}")
+    if not -n_tokens <= position < n_tokens:
+        raise KvmemError(f"position {position} is out of range for a {n_tokens}-token prompt; "
+                         f"use -{n_tokens}..{n_tokens - 1}")
+    return position % n_tokens
+
+
+def apply_final_norm(norm: FinalNorm, x: Tensor) -> Tensor:
+    """The full final norm (scale, gain, bias) as the model applies it: x [..., d_model] -> [..., d_model]."""
+    import torch
+
+    x = x.float()
+    if norm.kind == "layernorm":
+        x = x - x.mean(dim=-1, keepdim=True)
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.eps)
+    else:
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.eps)
+    x = x * norm.gain.float()
+    return x if norm.bias is None else x + norm.bias.float()
+
+
+def _lens(model: Model, resid: Tensor) -> Tensor:
+    """Logit lens: resid [layer, d_model] -> logits [layer, vocab] (full final norm, W_U, b_U)."""
+    logits = apply_final_norm(model.final_norm(), resid) @ model.unembedding().float()
+    bias = model.unembedding_bias()
+    return logits if bias is None else logits + bias.float()
+
+
+def _convention_vectors(model: Model, vectors: Tensor, convention: str) -> Tensor:
+    """vectors [n, d_model] as the convention feeds them to W_U: [n, d_model]."""
+    vectors = vectors.float()
+    if convention == "final_norm":
+        vectors = model.final_norm().linear_part(vectors).float()
+    return vectors
+
+
+def project(model: Model, vectors: Tensor, *, convention: str = "final_norm") -> Tensor:
+    """Vocabulary scores of vectors [n, d_model] -> [n, vocab] under ``convention`` (no b_U)."""
+    _check_convention(convention)
+    return _convention_vectors(model, vectors, convention) @ model.unembedding().float()
+
+
+def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Tensor], Tensor]:
+    """One forward; returns {hook name: activation at ``position`` [d]} and the real logits [vocab]."""
+    import torch
+
+    hook_dict = model.bridge.hook_dict
+    names = []
+    for layer in range(model.n_layers):
+        names += [model.hook_name(layer, "post"), model.hook_name(layer, "out"), f"blocks.{layer}.hook_resid_post"]
+        if f"blocks.{layer}.hook_resid_mid" in hook_dict:
+            names.append(f"blocks.{layer}.hook_resid_mid")
+    missing = [n for n in names if n not in hook_dict]
+    if missing:
+        raise KvmemError(f"this model's bridge has no hook {missing[0]}; trace needs hook_post, hook_out and "
+                         f"hook_resid_post in every layer")
+    captured: dict[str, Tensor] = {}
+
+    def capture(name: str):
+        def hook(tensor, hook):  # tensor [batch, pos, d]
+            captured[name] = tensor[0, position].detach().float().clone()
+
+        return hook
+
+    tokens = torch.tensor([ids], device=model.device)  # [batch=1, pos]
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=[(n, capture(n)) for n in names]):
+        logits = model.bridge(tokens)  # [1, pos, vocab]
+    return captured, logits[0, position].detach().float()
+
+
+def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int | None = 10,
+          convention: str = "final_norm", n_tokens: int = 3, prepend_bos: bool = False) -> Trace:
+    """Which memories build the prediction at ``position``, layer by layer.
+
+    ``prompt``: text (encoded without special tokens) or token ids. ``position``: index into the
+    prompt's tokens, negative from the end. ``top``: sub-updates kept per layer, by |m_i|·‖v_i‖
+    (``None`` keeps all d_ff, whose sum plus b2 is the FFN output). ``convention``: how values
+    are projected (:data:`CONVENTIONS`). ``n_tokens``: tokens listed per value (0 skips the
+    vocabulary projection, which is the slow part when ``top=None``).
+
+    The residual before the FFN is ``blocks.L.hook_resid_mid`` (or hook_resid_post minus the FFN
+    output where a bridge lacks it); the logit lens applies the full final norm, W_U and b_U.
+
+    >>> t = trace(model, "The capital of France is", top=5)  # doctest: +SKIP
+    >>> t.layers[["layer", "top_before", "top_after", "changed"]]  # doctest: +SKIP
+    """
+    import pandas as pd
+    import torch
+
+    import kvmem
+
+    _check_convention(convention)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+        raise KvmemError(f"top must be a positive int or None (all {model.d_ff} slots), got {top!r}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+        raise KvmemError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
+    ids = _prompt_ids(model, prompt, prepend_bos)
+    pos = _resolve_position(position, len(ids))
+    captured, final_logits = _capture(model, ids, pos)
+    final_token = int(final_logits.argmax())
+    k = model.d_ff if top is None else min(top, model.d_ff)
+    strings: dict[int, str] = {}
+
+    def token(i: int) -> str:
+        if i not in strings:
+            strings[i] = model.token_str(i)
+        return strings[i]
+
+    unembedding = model.unembedding().float()  # [d_model, vocab]
+    rows, before, after, ffn_norms = [], [], [], []
+    with torch.no_grad():
+        for layer in range(model.n_layers):
+            m = captured[model.hook_name(layer, "post")]  # [d_ff]
+            out = captured[model.hook_name(layer, "out")]  # [d_model]
+            post = captured[f"blocks.{layer}.hook_resid_post"]  # [d_model]
+            mid = captured.get(f"blocks.{layer}.hook_resid_mid", post - out)  # [d_model]
+            before.append(mid)
+            after.append(post)
+            ffn_norms.append(float(out.norm()))
+            values = model.values(layer).float()  # [d_ff, d_model]
+            norms = values.norm(dim=1)  # [d_ff]
+            weight = m.abs() * norms  # [d_ff]
+            order = torch.topk(weight, k).indices  # [k], heaviest first
+            converted = _convention_vectors(model, values, convention)  # [d_ff, d_model]
+            final_scores = converted @ model.unembedding()[:, final_token].float()  # [d_ff]
+            total = float(weight.sum()) or 1.0
+            tokens_of: dict[str, list[list[str]]] = {"update_tokens": [], "value_tokens": []}
+            if n_tokens:
+                for chunk in order.split(256):
+                    scores = converted[chunk] @ unembedding  # [chunk, vocab]
+                    signed = scores * torch.where(m[chunk] < 0, -1.0, 1.0)[:, None]
+                    for key, s in (("update_tokens", signed), ("value_tokens", scores)):
+                        top_ids = s.topk(n_tokens, dim=1).indices.tolist()
+                        tokens_of[key] += [[token(i) for i in row] for row in top_ids]
+            for rank, slot in enumerate(order.tolist()):
+                row = {"layer": layer, "rank": rank + 1, "slot": slot, "coefficient": float(m[slot]),
+                       "value_norm": float(norms[slot]), "weight": float(weight[slot]),
+                       "weight_share": float(weight[slot]) / total,
+                       "final_token_logit": float(m[slot] * final_scores[slot])}
+                if n_tokens:
+                    row["update_tokens"] = tokens_of["update_tokens"][rank]
+                    row["value_tokens"] = tokens_of["value_tokens"][rank]
+                rows.append(row)
+        layers = _layer_frame(model, torch.stack(before), torch.stack(after), final_token, ffn_norms, token)
+
+    attrs = {
+        "model": model.name, "fingerprint": model.fingerprint, "prompt": prompt, "tokens": [token(i) for i in ids],
+        "token_ids": ids, "position": pos, "position_token": token(ids[pos]), "final_token": token(final_token),
+        "final_token_id": final_token, "convention": convention, "convention_formula": CONVENTIONS[convention],
+        "logit_lens": "full final norm, then W_U and b_U", "top": top, "prepend_bos": prepend_bos,
+        "dtype": str(model.dtype).removeprefix("torch."), "kvmem_version": kvmem.__version__,
+    }
+    sub_updates = pd.DataFrame(rows)
+    sub_updates.attrs = dict(attrs)
+    layers.attrs = dict(attrs)
+    return Trace(sub_updates=sub_updates, layers=layers, attrs=attrs)
+
+
+def _layer_frame(model: Model, before: Tensor, after: Tensor, final_token: int, ffn_norms: list[float],
+                 token) -> pd.DataFrame:
+    """Per-layer logit-lens table from residuals before/after each FFN [layer, d_model]."""
+    import pandas as pd
+
+    columns: dict[str, Any] = {"layer": list(range(model.n_layers))}
+    for side, resid in (("before", before), ("after", after)):
+        logits = _lens(model, resid)  # [layer, vocab]
+        probs = logits.softmax(dim=-1)  # [layer, vocab]
+        top_prob, top_id = probs.max(dim=-1)  # [layer]
+        final_logit = logits[:, final_token : final_token + 1]  # [layer, 1]
+        columns[f"top_{side}"] = [token(i) for i in top_id.tolist()]
+        columns[f"top_{side}_id"] = top_id.tolist()
+        columns[f"top_{side}_prob"] = top_prob.tolist()
+        columns[f"final_rank_{side}"] = ((logits > final_logit).sum(dim=-1) + 1).tolist()
+        columns[f"final_prob_{side}"] = probs[:, final_token].tolist()
+    frame = pd.DataFrame(columns)
+    frame["changed"] = frame["top_before_id"] != frame["top_after_id"]
+    frame["ffn_norm"] = ffn_norms
+    return frame[list(LAYER_COLUMNS)]
+
+
+def plot_prediction_formation(trace_result: Trace | pd.DataFrame, *, ax=None):
+    """Probability (left axis) and rank (right axis, log) of the final prediction before and after each FFN.
+
+    ``trace_result``: a :class:`Trace` or its ``layers`` frame. Layers whose FFN changed the
+    logit-lens top token are shaded. Returns the Axes; never calls ``plt.show()``.
+    """
+    import matplotlib.pyplot as plt
+
+    layers = trace_result.layers if isinstance(trace_result, Trace) else trace_result
+    needed = {"layer", "final_prob_before", "final_prob_after", "final_rank_before", "final_rank_after", "changed"}
+    if not hasattr(layers, "columns") or not needed <= set(layers.columns):
+        raise KvmemError("plot_prediction_formation expects a Trace or its .layers frame with columns "
+                         f"{sorted(needed)}; got {type(trace_result).__name__}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.5))
+    xs, probs, ranks = [], [], []
+    for row in layers.itertuples(index=False):
+        xs += [row.layer - 0.2, row.layer + 0.2]
+        probs += [row.final_prob_before, row.final_prob_after]
+        ranks += [row.final_rank_before, row.final_rank_after]
+        if row.changed:
+            ax.axvspan(row.layer - 0.45, row.layer + 0.45, color="tab:orange", alpha=0.15, lw=0)
+    ax.plot(xs, probs, color="tab:blue", marker="o", ms=3, label="probability")
+    ax.set_xlabel("layer (left point: before FFN, right point: after FFN)")
+    ax.set_ylabel("probability", color="tab:blue")
+    ax.set_ylim(0, 1)
+    twin = ax.twinx()
+    twin.plot(xs, ranks, color="tab:gray", ls="--", lw=1, label="rank")
+    twin.set_yscale("log")
+    twin.set_ylim(max(max(ranks), 10) * 2, 0.8)  # rank 1 at the top
+    twin.set_ylabel("rank (1 = top)", color="tab:gray")
+    token = layers.attrs.get("final_token")
+    ax.set_title(f"formation of the final prediction {token!r}" if token is not None else "prediction formation")
+    return ax
