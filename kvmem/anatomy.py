@@ -120,6 +120,9 @@ def hidden_activation_memory(batch: int, seq: int, d_ff: int, *, bytes_per_value
 def model_anatomy(model: Model) -> pd.DataFrame:
     """Per-layer counts of a loaded model's real parameters beside the formula.
 
+    Counts are taken from the HF modules as loaded (``Model.parameter_counts``), before the
+    TransformerLens bridge wraps them.
+
     Columns: layer, ffn_params (counted), ffn_formula, attention_params (counted), ffn_share,
     ffn_flops_per_token. ``ffn_params == ffn_formula`` holds for every supported architecture.
     """
@@ -127,8 +130,7 @@ def model_anatomy(model: Model) -> pd.DataFrame:
 
     rows = []
     for layer in range(model.n_layers):
-        ffn = _count(model._module(f"{model.spec.layers}.{layer}.{model.spec.mlp}"))
-        attention = _count(model._module(f"{model.spec.layers}.{layer}.{model.spec.attention}"))
+        ffn, attention = model.parameter_counts[layer]
         rows.append({
             "layer": layer,
             "ffn_params": ffn,
@@ -141,6 +143,3 @@ def model_anatomy(model: Model) -> pd.DataFrame:
     frame.attrs["model"] = model.describe()
     return frame
 
-
-def _count(module) -> int:
-    return sum(p.numel() for p in module.parameters())

@@ -217,6 +217,7 @@ class Atlas:
         self.check(layer, neuron)
         index = self.layers.index(layer) * self.d_ff + neuron
         stats = self.neurons.iloc[index].to_dict()
+        stats["count"] = int(stats["count"])
         return NeuronRecord(layer, neuron, stats, self.triggers(layer, neuron), self.values(layer, neuron),
                             self.keys(layer, neuron), self.histogram(layer, neuron), self.provenance(convention))
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from kvmem.models import Model
 
-__all__ = ["intervene", "MODES", "greedy_continuation"]
+__all__ = ["MODES", "greedy_continuation", "intervene"]
 
 # mode -> how the edit value combines with the model's own coefficient m_i
 MODES: dict[str, str] = {

@@ -86,8 +86,13 @@ def _weights_fingerprint(directory: Path) -> str:
 def _load_hf(source: str, *, revision: str | None, dtype: torch.dtype, is_local: bool):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if is_local and not (Path(source) / "config.json").exists():
+        raise KvmemError(f"{source} is not an HF model directory (no config.json); pass a directory with "
+                         f"config.json, weights and tokenizer files")
     try:
         config = AutoConfig.from_pretrained(source, revision=revision)
+    except ValueError as error:
+        raise KvmemError(f"cannot read the model config of {source}: {str(error).splitlines()[0]}") from None
     except OSError as error:
         text = str(error)
         if is_local:
@@ -168,10 +173,15 @@ class Model:
         self.device = device
         self.tokenizer = tokenizer
         hf_model.eval()
+        self.hf_model = hf_model
+        # counted before the bridge wraps the modules (it adds split Q/K/V copies for GPT-2)
+        self.parameter_counts: dict[int, tuple[int, int]] = {
+            layer: tuple(sum(p.numel() for p in self._module(f"{spec.layers}.{layer}.{part}").parameters())
+                         for part in (spec.mlp, spec.attention))
+            for layer in range(len(self._module(spec.layers)))}
         self.bridge = TransformerBridge.boot_transformers(source, hf_model=hf_model, tokenizer=tokenizer,
                                                           device=device, dtype=dtype)
         self.bridge.eval()
-        self.hf_model = hf_model
         config = hf_model.config
         self.model_type: str = config.model_type
         self.n_layers: int = len(self._module(spec.layers))

@@ -22,7 +22,16 @@ if TYPE_CHECKING:
 
     from kvmem.models import FinalNorm, Model
 
-__all__ = ["trace", "Trace", "plot_prediction_formation", "project", "apply_final_norm", "CONVENTIONS", "SUB_UPDATE_COLUMNS", "LAYER_COLUMNS"]
+__all__ = [
+    "CONVENTIONS",
+    "LAYER_COLUMNS",
+    "SUB_UPDATE_COLUMNS",
+    "Trace",
+    "apply_final_norm",
+    "plot_prediction_formation",
+    "project",
+    "trace",
+]
 
 # projection convention -> what a value v [d_model] is multiplied by to give vocabulary scores [vocab]
 CONVENTIONS: dict[str, str] = {
@@ -126,7 +135,8 @@ def _prompt_ids(model: Model, prompt: str | list[int], prepend_bos: bool) -> lis
     if not ids:
         raise KvmemError("the prompt has no tokens; pass a non-empty prompt")
     if model.n_ctx and len(ids) > model.n_ctx:
-        raise KvmemError(f"the prompt has {len(ids)} tokens, more than the model's context of {model.n_ctx}; shorten it")
+        raise KvmemError(f"the prompt has {len(ids)} tokens, more than the model's context of {model.n_ctx}; "
+                         f"shorten it")
     return ids
 
 

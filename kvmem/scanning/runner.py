@@ -122,9 +122,9 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     fresh = ScanState(config=config.resume_key(), model=model.describe(), corpus=corpus.describe(), window=window,
                       layers=layers, layer_states={})
     if resume:
-        if not checkpoint.exists():
+        if not (checkpoint / "state.pt").exists():
             raise KvmemError(f"nothing to resume: no checkpoint at {checkpoint}; scan without --resume")
-        state = ScanState.load(checkpoint)
+        state = ScanState.load(checkpoint / "state.pt")
         _check_resumable(state, fresh)
     else:
         state = fresh

@@ -1,0 +1,81 @@
+"""``kvmem scan`` and ``kvmem merge``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    if command == "merge":
+        parser.add_argument("atlases", nargs="+", help="shard atlas directories")
+        parser.add_argument("--out", required=True, help="merged atlas directory")
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+        return
+    parser.add_argument("--model", required=True, help="smollm2-135m, gpt2-random, a local HF directory or a hub id")
+    parser.add_argument("--corpus", required=True, help="pydoc, stdlib-docs, a file or directory, or hf:NAME[:CONFIG][:SPLIT]")
+    parser.add_argument("--out", required=True, help="atlas directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    parser.add_argument("--layers", default=None, help="e.g. 0,3,5-8 (default: all)")
+    parser.add_argument("--top-k", type=int, default=25)
+    parser.add_argument("--per-document", action="store_true", help="also keep the best position of each document")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--window", type=int, default=None, help="tokens per window (default min(context, 256))")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to windows")
+    parser.add_argument("--unit", default="document", choices=["document", "paragraph", "line", "sentence"])
+    parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
+    parser.add_argument("--top-n", type=int, default=20, help="tokens kept per value / key projection")
+    parser.add_argument("--conventions", default="raw,final_norm", help="value projection conventions")
+    parser.add_argument("--no-context-activations", action="store_true",
+                        help="skip recomputing each trigger's neuron on its context (saves one forward)")
+    parser.add_argument("--shard", default="0/1", help="scan documents with index %% N == i (i/N)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between checkpoints")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    from kvmem.errors import KvmemError
+
+    if text is None:
+        return None
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-"))
+                layers.extend(range(lo, hi + 1))
+            else:
+                layers.append(int(part))
+    except ValueError:
+        raise KvmemError(f"--layers expects numbers and ranges like 0,3,5-8, got {text!r}") from None
+    return layers
+
+
+def run(args: argparse.Namespace) -> int:
+    import kvmem
+    from kvmem.scanning.config import parse_shard
+
+    if args.command == "merge":
+        atlas = kvmem.merge(args.atlases, out=args.out, overwrite=args.overwrite)
+        print(atlas)
+        return 0
+    settings = dict(
+        layers=parse_layers(args.layers), top_k=args.top_k, per_document=args.per_document,
+        max_tokens=args.max_tokens, window=args.window, batch_size=args.batch_size, prepend_bos=not args.no_bos,
+        top_n=args.top_n, conventions=tuple(c.strip() for c in args.conventions.split(",") if c.strip()),
+        context_activations=not args.no_context_activations, shard=parse_shard(args.shard),
+        checkpoint_every=args.checkpoint_every)
+    from kvmem.scanning.config import ScanConfig
+
+    ScanConfig(**settings)  # validate before the model loads
+    model = kvmem.load_model(args.model, device=args.device, dtype=args.dtype)
+    atlas = kvmem.scan(model, args.corpus, out=args.out, overwrite=args.overwrite, resume=args.resume,
+                       progress=not args.quiet, unit=args.unit, text_field=args.text_field, **settings)
+    timing = atlas.manifest["timing"]
+    print(atlas)
+    print(f"scanned {atlas.manifest['tokens']:,} tokens in {timing['scan_seconds']:.1f} s "
+          f"({timing['tokens_per_second']} tokens/s); wrote {atlas.path}")
+    return 0

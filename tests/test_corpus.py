@@ -1,0 +1,98 @@
+"""Corpora: every source kind, units, stable ids, the window rule, and bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pandas as pd
+import pytest
+
+import kvmem
+from kvmem.corpus import Document, open_corpus, windows
+
+
+def ids_and_texts(corpus):
+    return [(d.index, d.id, d.text) for d in corpus]
+
+
+def test_text_files_and_units(tmp_path):
+    (tmp_path / "a.txt").write_text("First paragraph. Second sentence!\n\nAnother paragraph\nwith two lines.")
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as handle:
+        handle.write("Zipped text.")
+    whole = ids_and_texts(open_corpus(tmp_path))
+    assert whole == [(0, "a.txt", "First paragraph. Second sentence!\n\nAnother paragraph\nwith two lines."),
+                     (1, "b.txt.gz", "Zipped text.")]
+    paragraphs = [d.id for d in open_corpus(tmp_path / "a.txt", unit="paragraph")]
+    assert paragraphs == ["a.txt#p0", "a.txt#p1"]
+    lines = [d.text for d in open_corpus(tmp_path / "a.txt", unit="line")]
+    assert lines == ["First paragraph. Second sentence!", "Another paragraph", "with two lines."]
+    sentences = [d.text for d in open_corpus(tmp_path / "a.txt", unit="sentence")]
+    assert sentences == ["First paragraph.", "Second sentence!", "Another paragraph with two lines."]
+    # re-iterable and stable
+    assert ids_and_texts(open_corpus(tmp_path)) == whole
+
+
+def test_jsonl_parquet_list_and_dataset(tmp_path):
+    lines = [json.dumps({"body": "one"}), "", json.dumps({"body": "two", "x": 1})]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines))
+    assert ids_and_texts(open_corpus(tmp_path / "d.jsonl", text_field="body")) == [(0, "d.jsonl:1", "one"),
+                                                                                   (1, "d.jsonl:3", "two")]
+    with gzip.open(tmp_path / "e.jsonl.gz", "wt") as handle:
+        handle.write(json.dumps({"text": "gz"}) + "\n")
+    assert [d.text for d in open_corpus(tmp_path / "e.jsonl.gz")] == ["gz"]
+    pd.DataFrame({"text": ["p0", None, "p2"]}).to_parquet(tmp_path / "f.parquet")
+    assert ids_and_texts(open_corpus(tmp_path / "f.parquet")) == [(0, "f.parquet:0", "p0"), (1, "f.parquet:2", "p2")]
+    assert [d.id for d in open_corpus(["a", "", "b"])] == ["list:0", "list:2"]  # empty documents are skipped
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_dict({"text": ["x y", "z"]})
+    assert [d.text for d in open_corpus(dataset)] == ["x y", "z"]
+
+
+def test_builtin_corpora():
+    pydoc = open_corpus("pydoc")
+    first = next(iter(pydoc))
+    assert first.index == 0 and first.id.startswith("pydoc:") and len(first.text) > 100
+    total = sum(len(d.text) for d in pydoc)
+    assert total > 300_000
+    stdlib = iter(open_corpus("stdlib-docs"))
+    docs = [next(stdlib) for _ in range(50)]
+    assert all(d.id.startswith("stdlib-docs:") and d.text for d in docs)
+    assert pydoc.describe()["spec"] == "pydoc" and "python" in pydoc.describe()
+
+
+def test_window_rule(gpt2_model):
+    docs = [Document(0, "a", "one two three four five six seven"), Document(1, "b", "eight")]
+    got = list(windows(docs, gpt2_model.encode, 3))
+    ids = gpt2_model.encode(docs[0].text)
+    assert [(w.doc, w.start, list(w.tokens)) for w in got] == [
+        (0, 0, ids[0:3]), (0, 3, ids[3:6]), (0, 6, ids[6:7]), (1, 0, gpt2_model.encode("eight"))]
+
+
+def test_errors(tmp_path):
+    with pytest.raises(kvmem.KvmemError, match="corpus 'nope.txt' not found"):
+        open_corpus("nope.txt")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"good text \xff\xfe more")
+    with pytest.raises(kvmem.KvmemError, match=r"bad.txt: bytes at byte offset 10 are not valid UTF-8"):
+        list(open_corpus(bad))
+    jsonl = tmp_path / "x.jsonl"
+    jsonl.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "no"}) + "\n")
+    with pytest.raises(kvmem.KvmemError, match=r"x.jsonl: line 2 has no 'text' field"):
+        list(open_corpus(jsonl))
+    jsonl.write_text("{not json\n")
+    with pytest.raises(kvmem.KvmemError, match="line 1 is not valid JSON"):
+        list(open_corpus(jsonl))
+    (tmp_path / "t.csv").write_text("a,b")
+    with pytest.raises(kvmem.KvmemError, match="unsupported corpus file type"):
+        open_corpus(tmp_path / "t.csv")
+    with pytest.raises(kvmem.KvmemError, match="unknown corpus unit 'word'"):
+        open_corpus(["x"], unit="word")
+    with pytest.raises(kvmem.KvmemError, match="corpus list item 1 is a int"):
+        open_corpus(["x", 3])
+    with pytest.raises(kvmem.KvmemError, match="bad hub corpus"):
+        open_corpus("hf:")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(kvmem.KvmemError, match="holds no"):
+        open_corpus(empty)
