@@ -22,7 +22,7 @@ from kvmem.scanning.capture import capture_coefficients
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.histogram import HIST_BINS
 
-__all__ = ["scan", "ScanState", "resolve_window"]
+__all__ = ["scan", "stream", "ScanState", "resolve_window"]
 
 DEFAULT_WINDOW = 256
 
@@ -141,6 +141,23 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     if checkpoint.exists():
         shutil.rmtree(checkpoint, ignore_errors=True)
     return open_atlas(target)
+
+
+def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "document", text_field: str = "text",
+           **settings: Any) -> ScanState:
+    """The streaming pass alone (no text, projections or files): the per-layer state of a scan.
+
+    Same settings as :func:`scan`; used by benchmarks and by code that wants the raw tensors.
+    """
+    config = ScanConfig(**settings)
+    corpus = open_corpus(corpus, unit=unit, text_field=text_field)
+    layers = list(config.layers) if config.layers is not None else list(range(model.n_layers))
+    state = ScanState(config=config.resume_key(), model=model.describe(), corpus=corpus.describe(),
+                      window=resolve_window(model, config), layers=layers,
+                      layer_states={layer: new_layer_state(model.d_ff, config.top_k, per_document=config.per_document,
+                                                           device=model.device) for layer in layers})
+    _stream(model, corpus, config, state, Path(tempfile.gettempdir()) / "kvmem-unused.checkpoint", progress)
+    return state
 
 
 def _check_resumable(saved: ScanState, fresh: ScanState) -> None:

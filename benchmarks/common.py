@@ -1,0 +1,67 @@
+"""Shared helpers for the benchmark scripts: machine description, timing, peak memory, corpus batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"{gpu}, Python {platform.python_version()}")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_isolated(script: str, *args: str) -> dict:
+    """Run ``python script args`` in a fresh process (clean peak RSS); it prints one JSON line last."""
+    out = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def token_batches(model, n_tokens: int, *, window: int = 256, batch_size: int = 8, corpus: str = "stdlib-docs"):
+    """Real-text input ids [batch, window + 1] (BOS first), enough for n_tokens scored tokens."""
+    import torch
+
+    from kvmem.corpus import open_corpus, windows
+
+    rows, total = [], 0
+    for item in windows(open_corpus(corpus), model.encode, window):
+        if len(item.tokens) < window:
+            continue
+        rows.append([model.bos_token_id, *item.tokens])
+        total += window
+        if total >= n_tokens:
+            break
+    return [torch.tensor(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
+
+
+class Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start

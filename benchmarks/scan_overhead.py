@@ -1,0 +1,86 @@
+"""Scan overhead: tokens/s of a full kvmem scan step against the bare forward over the same batches.
+
+Full scan step = all layers hooked, top and bottom k=25, moments, positive counts and histograms
+(`kvmem.scanning.accumulator.update`). Bare forward = the model's own forward with logits, and
+also the forward stopped after the last FFN's coefficients (what the scan computes).
+The three are alternated batch by batch and repeated; the ratio is scan tok/s over bare tok/s.
+
+    python benchmarks/scan_overhead.py [--model gpt2-random|smollm2-135m] [--tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import kvmem
+from common import Timer, machine, token_batches
+from kvmem.scanning.accumulator import new_layer_state, pack, update
+from kvmem.scanning.capture import capture_coefficients
+from kvmem.scanning.histogram import HIST_BINS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gpt2-random")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    model = kvmem.load_model(args.model)
+    batches = token_batches(model, args.tokens, batch_size=args.batch_size)
+    layers = list(range(model.n_layers))
+    states = {layer: new_layer_state(model.d_ff, 25, per_document=False) for layer in layers}
+    offsets = torch.arange(model.d_ff, dtype=torch.int32) * HIST_BINS
+
+    def bare(ids):
+        with torch.inference_mode():
+            model.bridge(ids)
+
+    def truncated(ids):
+        capture_coefficients(model, ids, layers, lambda layer, m: None)
+
+    def scan_step(ids):
+        b, n = ids.shape
+        flat = torch.arange(b * n).view(b, n)[:, 1:].reshape(-1)  # every position but BOS
+        docs = torch.arange(b).repeat_interleave(n - 1)
+        codes = pack(docs, flat % n)
+
+        def on(layer, m):
+            acts = m.reshape(-1, m.shape[-1]).index_select(0, flat)
+            update(states[layer], acts, codes, docs, offsets)
+
+        capture_coefficients(model, ids, layers, on)
+
+    bare(batches[0]), truncated(batches[0]), scan_step(batches[0])  # warm-up
+    seconds = {"bare": [], "truncated": [], "scan": []}
+    tokens = sum(ids.shape[0] * (ids.shape[1] - 1) for ids in batches)
+    for _ in range(args.repeats):
+        totals = dict.fromkeys(seconds, 0.0)
+        for ids in batches:  # alternate batch by batch so drift hits all three alike
+            for name, fn in (("bare", bare), ("truncated", truncated), ("scan", scan_step)):
+                with Timer() as t:
+                    fn(ids)
+                totals[name] += t.seconds
+        for name in seconds:
+            seconds[name].append(totals[name])
+    rate = {name: tokens / statistics.median(values) for name, values in seconds.items()}
+    result = {
+        "model": args.model, "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
+        "bare_tok_s": round(rate["bare"], 1), "truncated_tok_s": round(rate["truncated"], 1),
+        "scan_tok_s": round(rate["scan"], 1),
+        "ratio_vs_bare_forward": round(rate["scan"] / rate["bare"], 3),
+        "ratio_vs_truncated_forward": round(rate["scan"] / rate["truncated"], 3),
+    }
+    print(f"{args.model}: bare forward {rate['bare']:.0f} tok/s, forward to last FFN {rate['truncated']:.0f} tok/s, "
+          f"full scan {rate['scan']:.0f} tok/s -> ratio {result['ratio_vs_bare_forward']:.2f} vs bare, "
+          f"{result['ratio_vs_truncated_forward']:.2f} vs truncated ({machine()})")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
