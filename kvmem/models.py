@@ -75,12 +75,26 @@ def _resolve_device(device: Any) -> str:
 
 
 def _weights_fingerprint(directory: Path) -> str:
+    """sha256 over the weight files; remembered in kvmem's own (immutable) cache directories."""
+    import json
+
     files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+    stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    meta_path = directory / "kvmem-cache.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    if meta and meta.get("fingerprint_files") == stamp:
+        return meta["fingerprint"]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
         digest.update(sha256_file(file).encode())
-    return "sha256:" + digest.hexdigest()
+    fingerprint = "sha256:" + digest.hexdigest()
+    if meta is not None:
+        meta["fingerprint"], meta["fingerprint_files"] = fingerprint, stamp
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, meta_path)
+    return fingerprint
 
 
 def _load_hf(source: str, *, revision: str | None, dtype: torch.dtype, is_local: bool):
@@ -107,8 +121,16 @@ def _load_hf(source: str, *, revision: str | None, dtype: torch.dtype, is_local:
             f"built-in offline models are {', '.join(BUILTIN_MODELS)}"
         ) from None
     spec = get_spec(getattr(config, "model_type", "?"))
-    model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # kvmem shows its own progress; keep loading quiet
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model, tokenizer, spec
 
 
