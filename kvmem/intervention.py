@@ -187,13 +187,12 @@ def intervene(model: Model, edits: Mapping[tuple[int, int], float], *, positions
 
 
 def greedy_continuation(model: Model, prompt: str | list[int], *, max_new_tokens: int = 20,
-                        prepend_bos: bool = False, use_cache: bool = False) -> str:
+                        prepend_bos: bool = False, use_cache: bool = True) -> str:
     """The greedy continuation of ``prompt`` (text of the new tokens only); runs any active edits.
 
-    ``use_cache`` is off by default: with transformer-lens 4.3 on transformers 5.x the bridge's
-    attention never fills the HF KV cache (it reads ``past_key_values``, which transformers now passes
-    as ``cache``), so cached decoding attends to the newest token only. Uncached decoding recomputes
-    the whole sequence every step: slower, but exact.
+    ``use_cache``: decode with the KV cache (fast). It needs transformers < 5.24 beside
+    transformer-lens 4.3 (5.24 renamed the cache argument the bridge reads; kvmem pins it, and
+    ``tests/test_trace_intervene.py`` checks cached and uncached decoding agree).
     """
     import torch
 

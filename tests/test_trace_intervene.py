@@ -204,6 +204,26 @@ def test_generation_strong_edit_differs_empty_edit_equal(model):
     assert edited == model.token_str(int(direction.argmax())) * 6
 
 
+def test_greedy_continuation_is_argmax_decoding(llama):
+    ids = llama.encode("Hello world")
+    with intervene(llama, {(0, 3): 5.0}):
+        text = greedy_continuation(llama, ids, max_new_tokens=3)
+        with torch.no_grad():
+            for _ in range(3):
+                ids = ids + [int(llama.bridge(torch.tensor([ids]))[0, -1].argmax())]
+    assert text == llama.tokenizer.decode(ids[-3:])
+
+
+def test_bridge_kv_cache_matches_full_forward(gpt2):
+    """Guards the pin transformers<5.24: 5.24 renamed the cache argument transformer-lens 4.3 reads."""
+    ids = _ids(gpt2)
+    with torch.no_grad():
+        full = gpt2.hf_model(ids).logits[0, -1]  # [vocab]
+        cache = gpt2.hf_model(ids[:, :-1], use_cache=True).past_key_values
+        step = gpt2.hf_model(ids[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1]  # [vocab]
+    torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("edits, options, message", [
     ({(2, 0): 1.0}, {}, r"layer 2 is out of range; this model has layers 0\.\.1"),
     ({(0, 256): 1.0}, {}, r"slot 256 .* slots 0\.\.255"),
