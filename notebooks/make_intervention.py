@@ -1,4 +1,4 @@
-"""Build notebooks/intervention.ipynb (outputs empty). Run: /work/venv/bin/python /tmp/build_intervention_nb.py"""
+"""Build notebooks/intervention.ipynb (outputs empty). Run: python notebooks/make_intervention.py"""
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
@@ -216,5 +216,5 @@ nb = new_notebook(cells=cells, metadata={
     "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
     "language_info": {"name": "python"},
 })
-nbformat.write(nb, "/work/main/notebooks/intervention.ipynb")
+nbformat.write(nb, str(__import__("pathlib").Path(__file__).resolve().parent / "intervention.ipynb"))
 print("wrote", len(cells), "cells")
