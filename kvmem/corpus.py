@@ -42,6 +42,9 @@ BUILTIN_CORPORA = {
 }
 SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
 
+# lone UTF-16 surrogates (possible in Python strings, never valid text) become U+FFFD
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 # a sentence ends at . ! or ? followed by whitespace and an upper-case letter, digit or quote
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9])")
 
@@ -76,6 +79,7 @@ class Corpus:
     def __iter__(self) -> Iterator[Document]:
         index = 0
         for record_id, text in self._records():
+            text = _SURROGATE.sub("\ufffd", text)
             for part_id, part in _split(record_id, text, self.unit):
                 if part.strip():
                     yield Document(index, part_id, part)

@@ -96,3 +96,9 @@ def test_errors(tmp_path):
     empty.mkdir()
     with pytest.raises(kvmem.KvmemError, match="holds no"):
         open_corpus(empty)
+
+
+def test_lone_surrogates_become_replacement_characters():
+    docs = list(open_corpus(["ok \ud800 text", "\udfff"]))
+    assert [d.text for d in docs] == ["ok \ufffd text", "\ufffd"]
+    assert all(d.text.encode("utf-8") for d in docs)

@@ -296,3 +296,10 @@ def test_cli_scan_and_queries(gpt2_dir, tmp_path, capsys):
     assert main(["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(tmp_path / "z"),
                  "--top-k", "0"]) == 2
     assert "top_k must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_hostile_text_scans(gpt2_model, tmp_path):
+    docs = ['<script>alert(1)</script> "><img src=x onerror=alert(1)>', "rtl \u202e mark, zero\u200bwidth, lone \ud800 end"]
+    atlas = kvmem.scan(gpt2_model, docs, out=tmp_path / "a", top_k=2, window=16, top_n=2, progress=False)
+    contexts = set(atlas.table("triggers").context)
+    assert any("<script>" in c for c in contexts) and any("\ufffd" in c for c in contexts)

@@ -1,0 +1,161 @@
+"""Write reports to disk: one slot (:func:`export_neuron`) or many plus an index (:func:`export_many`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvmem.errors import KvmemError
+
+__all__ = ["FORMATS", "RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
+
+FORMATS = {"html": ".html", "md": ".md", "json": ".json"}
+RANKINGS = ("max", "mean", "frac_positive")
+
+
+def report_stem(layer: int, neuron: int) -> str:
+    """File name stem of a slot's report: ``L3_N17``."""
+    return f"L{layer}_N{neuron}"
+
+
+def _as_atlas(atlas):
+    """An :class:`~kvmem.atlas.Atlas`, opening a directory path if given one."""
+    if isinstance(atlas, (str, os.PathLike)):
+        from kvmem.atlas import open_atlas
+
+        return open_atlas(atlas)
+    return atlas
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise KvmemError(f"unknown report format {format!r}; choose one of {', '.join(FORMATS)}")
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_bytes(text.encode("utf-8", errors="replace"))  # lone surrogates were cleaned; never crash here
+
+
+def _export(atlas, layer: int, neuron: int, format: str, out: Path) -> tuple[Path, dict]:
+    from kvmem.report.record import neuron_data
+
+    atlas.check(layer, neuron)
+    record = atlas.neuron(layer, neuron)
+    data = neuron_data(atlas, layer, neuron, record=record)
+    stem = report_stem(layer, neuron)
+    path = out / f"{stem}{FORMATS[format]}"
+    if format == "json":
+        from kvmem.report.jsonfmt import dumps
+
+        _write_text(path, dumps(data))
+        return path, data
+    from kvmem.report.figures import neuron_figures
+
+    figures = neuron_figures(record, data)
+    if format == "html":
+        from kvmem.report.html import render_neuron
+
+        _write_text(path, render_neuron(data, figures))
+    else:
+        from kvmem.report.markdown import render_neuron
+
+        folder = out / f"{stem}_files"
+        folder.mkdir(exist_ok=True)
+        for figure in figures:
+            (folder / f"{figure.name}.png").write_bytes(figure.png)
+        _write_text(path, render_neuron(data, figures, folder=folder.name))
+    return path, data
+
+
+def export_neuron(atlas, layer: int, neuron: int, *, format: str = "html", out: str | os.PathLike = ".") -> Path:
+    """Write one slot's report into directory ``out`` (created if missing) and return its path.
+
+    ``atlas``: an :class:`~kvmem.atlas.Atlas` or its directory.
+    ``format``: ``html`` (one self-contained file), ``md`` (Markdown + PNG files in ``L{l}_N{n}_files/``)
+    or ``json`` (schema ``kvmem.neuron/1``, see :mod:`kvmem.report.record`). An existing report of
+    the same slot and format in ``out`` is replaced.
+    """
+    _check_format(format)
+    atlas = _as_atlas(atlas)
+    atlas.check(int(layer), int(neuron))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return _export(atlas, int(layer), int(neuron), format, out)[0]
+
+
+def select_neurons(atlas, layer: int, *, top: int, by: str = "max") -> list[tuple[int, int]]:
+    """The ``top`` slots of ``layer`` with the highest ``by`` (max | mean | frac_positive), best first."""
+    if by not in RANKINGS:
+        raise KvmemError(f"unknown ranking --by {by!r}; choose one of {', '.join(RANKINGS)}")
+    if top < 1:
+        raise KvmemError(f"--top must be at least 1, got {top}")
+    atlas = _as_atlas(atlas)
+    atlas.check(layer)
+    frame = atlas.neurons[atlas.neurons.layer == layer]
+    best = frame.sort_values([by, "neuron"], ascending=[False, True], kind="stable").head(top)
+    return [(int(layer), int(n)) for n in best.neuron]
+
+
+def export_many(atlas, neurons: Iterable[tuple[int, int]], *, format: str = "html", out: str | os.PathLike,
+                progress: bool = True, overwrite: bool = False) -> Path:
+    """Write a report per (layer, neuron) and an index (``index.html`` | ``index.md`` | ``index.json``).
+
+    Returns the index path. ``out`` must not exist unless ``overwrite`` (then it is replaced, but only
+    if it is empty or a previous report directory). Every pair is checked before anything is written.
+    """
+    from kvmem.report.index import index_row, render_index
+
+    _check_format(format)
+    atlas = _as_atlas(atlas)
+    pairs = list(dict.fromkeys((int(layer), int(neuron)) for layer, neuron in neurons))
+    if not pairs:
+        raise KvmemError("no neurons to export; give layer/neuron pairs or --layer L --top M")
+    for layer, neuron in pairs:
+        atlas.check(layer, neuron)
+    target = Path(out)
+    _check_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-", dir=target.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a report directory is not
+    try:
+        from tqdm import tqdm  # plain: tqdm.auto warns in notebooks without ipywidgets
+
+        rows = []
+        for layer, neuron in tqdm(pairs, desc="reports", unit="slot", disable=not progress):
+            path, data = _export(atlas, layer, neuron, format, tmp)
+            rows.append(index_row(data, path.name))
+        provenance = {key: data["provenance"][key] for key in ("model", "fingerprint", "corpus", "tokens", "convention",
+                                                               "kvmem_version", "exported_with")}
+        _write_text(tmp / f"index{FORMATS[format]}", render_index(rows, provenance, format=format))
+        if target.exists():
+            trash = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, trash)
+            os.replace(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target / f"index{FORMATS[format]}"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if not target.exists():
+        return
+    if not overwrite:
+        raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
+    if not target.is_dir():
+        raise KvmemError(f"--out {target} is a file, not a directory; choose another --out")
+    if any(target.iterdir()) and not any((target / f"index{ext}").exists() for ext in FORMATS.values()):
+        raise KvmemError(f"refusing to replace {target}: it is not empty and holds no kvmem report index; "
+                         f"choose another --out")

@@ -1,0 +1,145 @@
+"""One memory slot as plain data: the ``kvmem.neuron/1`` schema (the JSON report; HTML and Markdown render it).
+
+Every string is cleaned (lone surrogates -> U+FFFD) but otherwise kept as it is: renderers escape.
+Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
+
+    schema        "kvmem.neuron/1"
+    layer, neuron int: FFN layer and slot i
+    provenance    {model, fingerprint, corpus, tokens, convention (the default one), conventions
+                   (name -> definition, every stored convention), kvmem_version (that wrote the atlas),
+                   exported_with (kvmem version that wrote this report), gated (bool), activation (str),
+                   vocab_size (int), atlas (directory name)}
+    stats         {count, mean, std, min, max, frac_positive, key_norm, gate_norm, value_norm}
+                  (columns of kvmem.schema.COLUMNS["neurons"])
+    histogram     {edges: [bins + 1] floats (outer edges null = unbounded), counts: [bins] ints}
+    triggers      {kind: [trigger, ...]} for each kind stored (top, bottom, top_doc, bottom_doc), by rank;
+                  trigger = {rank, activation, doc_id, pos, token, token_id, next_token, next_token_id
+                  (-1 at a document's end), context, span: [start, end) in context, context_tokens: [str],
+                  context_trigger: int, context_activations: [float] (empty if not computed)}
+    values        {convention: {promote: [entry], suppress: [entry]}}, entry = {rank, token, token_id, score}
+    keys          {vector ("key" | "gate"): {promote: [entry], suppress: [entry]}} (score = W_E[token] . k)
+    agreement     [{convention, triggers ("top" | "bottom"), tokens ("promote" | "suppress"), top_n, checked,
+                   fraction (hits / checked, null if none checked), chance (top_n / vocab_size),
+                   hits: [{trigger_rank, next_token, next_token_id, value_rank}]}]
+                  Does the value promote what follows the key's top triggers (and, since m < 0 flips
+                  the value, suppress what follows its bottom triggers)? Triggers at a document's end
+                  and bottom triggers with m >= 0 are not checked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from kvmem.report.text import clean
+
+__all__ = ["SCHEMA", "neuron_data"]
+
+SCHEMA = "kvmem.neuron/1"
+_STATS = ("count", "mean", "std", "min", "max", "frac_positive", "key_norm", "gate_norm", "value_norm")
+
+
+def _number(value):
+    """A JSON-safe number: ints stay ints, floats keep float32 precision, NaN and infinities -> None."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return value if value is None else bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    value = float(value)
+    return float(f"{value:.7g}") if math.isfinite(value) else None
+
+
+def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
+    """The ``kvmem.neuron/1`` dict of one slot (``record``: its :class:`NeuronRecord`, if already read)."""
+    from kvmem import __version__
+    from kvmem.schema import CONVENTIONS, KEY_VECTORS
+
+    record = record if record is not None else atlas.neuron(layer, neuron)
+    manifest = atlas.manifest
+    model = manifest["model"]
+    provenance = record.provenance
+    data = {
+        "schema": SCHEMA,
+        "layer": int(layer),
+        "neuron": int(neuron),
+        "provenance": {
+            "model": clean(provenance["model"]),
+            "fingerprint": clean(provenance["fingerprint"]),
+            "corpus": clean(provenance["corpus"]),
+            "tokens": int(provenance["tokens"]),
+            "convention": provenance["convention"],
+            "conventions": {name: CONVENTIONS.get(name, "") for name in atlas.conventions},
+            "kvmem_version": clean(provenance["kvmem_version"]),
+            "exported_with": __version__,
+            "gated": bool(model.get("gated", False)),
+            "activation": clean(model.get("activation_description") or model.get("activation", "")),
+            "vocab_size": int(model.get("vocab_size", 0)),
+            "atlas": clean(os.path.basename(os.path.normpath(str(atlas.path)))),
+        },
+        "stats": {name: _number(record.stats[name]) for name in _STATS if name in record.stats},
+        "histogram": {
+            "edges": [_number(e) for e in [*record.histogram["low"], record.histogram["high"].iloc[-1]]],
+            "counts": [int(c) for c in record.histogram["count"]],
+        },
+        "triggers": _triggers(record.triggers),
+        "values": _projections(record.values, "convention", order=atlas.conventions),
+        "keys": _projections(record.keys, "vector", order=KEY_VECTORS),
+    }
+    data["agreement"] = agreement(data)
+    return data
+
+
+def _triggers(frame) -> dict:
+    out: dict[str, list[dict]] = {}
+    for row in frame.sort_values(["kind", "rank"]).itertuples():
+        out.setdefault(row.kind, []).append({
+            "rank": int(row.rank),
+            "activation": _number(row.activation),
+            "doc_id": clean(row.doc_id),
+            "pos": int(row.pos),
+            "token": clean(row.token),
+            "token_id": int(row.token_id),
+            "next_token": clean(row.next_token),
+            "next_token_id": int(row.next_token_id),
+            "context": clean(row.context),
+            "span": [int(row.span_start), int(row.span_end)],
+            "context_tokens": [clean(t) for t in _list(row.context_tokens)],
+            "context_trigger": int(row.context_trigger),
+            "context_activations": [_number(a) for a in _list(row.context_activations)],
+        })
+    from kvmem.schema import TRIGGER_KINDS
+
+    return {kind: out[kind] for kind in TRIGGER_KINDS if kind in out}
+
+
+def _list(value) -> list:
+    return [] if value is None else list(value)
+
+
+def _projections(frame, label: str, *, order=()) -> dict:
+    out: dict[str, dict[str, list[dict]]] = {}
+    for row in frame.sort_values([label, "kind", "rank"]).itertuples():
+        group = out.setdefault(getattr(row, label), {"promote": [], "suppress": []})
+        group.setdefault(row.kind, []).append({"rank": int(row.rank), "token": clean(row.token),
+                                               "token_id": int(row.token_id), "score": _number(row.score)})
+    return {name: out[name] for name in sorted(out, key=lambda n: (list(order).index(n) if n in order else len(order), n))}
+
+
+def agreement(data: dict) -> list[dict]:
+    """Next tokens of the top (bottom) triggers found among the value's promoted (suppressed) tokens."""
+    vocab = data["provenance"]["vocab_size"]
+    rows = []
+    for convention, groups in data["values"].items():
+        for trigger_kind, token_kind in (("top", "promote"), ("bottom", "suppress")):
+            ranks = {entry["token_id"]: entry["rank"] for entry in groups.get(token_kind, [])}
+            triggers = [t for t in data["triggers"].get(trigger_kind, []) if t["next_token_id"] >= 0
+                        and (trigger_kind == "top" or (t["activation"] or 0) < 0)]
+            hits = [{"trigger_rank": t["rank"], "next_token": t["next_token"], "next_token_id": t["next_token_id"],
+                     "value_rank": ranks[t["next_token_id"]]} for t in triggers if t["next_token_id"] in ranks]
+            rows.append({"convention": convention, "triggers": trigger_kind, "tokens": token_kind,
+                         "top_n": len(ranks), "checked": len(triggers),
+                         "fraction": _number(len(hits) / len(triggers)) if triggers else None,
+                         "chance": _number(len(ranks) / vocab) if vocab else None, "hits": hits})
+    return rows

@@ -1,0 +1,226 @@
+"""Write the kvmem notebooks (quickstart, vocabulary_projections, neuron_reports) from readable source.
+
+Run ``python notebooks/make_notebooks.py`` after editing a cell here; the notebooks are written with
+outputs cleared. They run offline top to bottom; ``KVMEM_NOTEBOOK_TOKENS`` sets the token budget
+(default 4000), ``KVMEM_NOTEBOOK_FAST=1`` scans fewer layers and ``KVMEM_NOTEBOOK_OUT`` is where
+files go (default: a new temporary directory); tests set all three.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETTINGS = '''import os
+import tempfile
+from pathlib import Path
+
+import kvmem
+
+TOKENS = int(os.environ.get("KVMEM_NOTEBOOK_TOKENS", 4000))  # corpus tokens to scan
+FAST = os.environ.get("KVMEM_NOTEBOOK_FAST") == "1"  # tests: fewer layers
+# everything this notebook writes goes here (tests point KVMEM_NOTEBOOK_OUT at their own directory)
+OUT = Path(os.environ.get("KVMEM_NOTEBOOK_OUT") or tempfile.mkdtemp(prefix="kvmem-notebook-"))
+print(f"scanning {TOKENS:,} tokens; writing to {OUT}")'''
+
+
+def md(text: str):
+    return new_markdown_cell(text.strip())
+
+
+def code(text: str):
+    return new_code_cell(text.strip())
+
+
+def quickstart():
+    return [
+        md("""
+# kvmem quickstart
+
+A transformer's feed-forward layer, `FFN(x) = W_out · act(W_in x)`, can be read as a key-value memory
+(Geva et al. 2021): slot *i* has a **key** (row *i* of `W_in`; SmolLM2's gated FFN has two, gate and up),
+a **coefficient** `m_i(x)` (the hidden activation) and a **value** (column *i* of `W_out`). This notebook
+loads a real trained model, scans a small corpus into an *atlas*, asks it about a few memory slots, and
+exports a report. Everything runs offline on a CPU.
+"""),
+        code(SETTINGS),
+        md("## Load SmolLM2-135M (30 layers, gated SwiGLU FFN, 1,536 slots per layer)"),
+        code('''model = kvmem.load_model("smollm2-135m")
+print(model)
+model.anatomy().head(3)'''),
+        md("""
+## Scan a corpus into an atlas
+
+The scan streams text through the model and keeps, for every slot, its statistics, its top and bottom
+*triggers* (the contexts where `m_i` is most extreme) and its value and key projections through the vocabulary.
+The built-in `pydoc` corpus is the Python documentation shipped with the interpreter.
+"""),
+        code('''LAYERS = [3, 29] if FAST else [0, 6, 12, 18, 24, 29]
+atlas = kvmem.scan(model, "pydoc", out=OUT / "atlas", overwrite=True, max_tokens=TOKENS, layers=LAYERS,
+                   top_k=10, progress=False)
+atlas'''),
+        md("## The slots with the largest coefficients"),
+        code('''columns = ["layer", "neuron", "max", "mean", "frac_positive", "value_norm"]
+top = atlas.neurons.sort_values("max", ascending=False)[columns].head(8)
+top'''),
+        md("## One memory slot: statistics, triggers (the trigger token in `[[...]]`) and the tokens its value promotes"),
+        code('''layer, neuron = int(top.layer.iloc[0]), int(top.neuron.iloc[0])
+record = atlas.neuron(layer, neuron)
+print(record)'''),
+        code('''atlas.triggers(layer, neuron, kind="top")[["activation", "token", "next_token", "context"]].head(5)'''),
+        code('''atlas.values(layer, neuron, convention="final_norm", kind="promote")[["rank", "token", "score"]].head(8)'''),
+        md("## Which slots promote a token? (`tokenizer=` resolves the string to its single token)"),
+        code('''atlas.top_neurons(token=" the", by="value", k=5, tokenizer=model.tokenizer)'''),
+        md("## Plots: the per-layer picture and one slot's coefficient histogram"),
+        code('''import matplotlib.pyplot as plt
+
+from kvmem import plots
+
+plots.plot_layer_summary(atlas.neurons)
+fig, ax = plt.subplots(figsize=(5, 2.6), layout="constrained")
+plots.plot_histogram(atlas.histogram(layer, neuron), ax=ax);'''),
+        md("## Export a self-contained report (one HTML file: open it in any browser, offline)"),
+        code('''path = kvmem.report.export_neuron(atlas, layer, neuron, format="html", out=OUT / "reports")
+print(path, f"{path.stat().st_size / 1e3:.0f} kB")'''),
+    ]
+
+
+def vocabulary_projections():
+    return [
+        md("""
+# Value projections: raw or through the final norm?
+
+Projecting a value vector `v` through the unembedding shows which tokens the slot promotes (Geva et al. 2022).
+Tools disagree on *how*: LM-Debugger projects raw `W_U^T v`; ffn-values and OpenAI's neuron viewer first
+apply the final norm's linear part. kvmem stores both and records which produced each number. This notebook
+puts them side by side and measures how much the answer changes across whole layers of SmolLM2-135M
+(its final norm is an RMSNorm, so `final_norm` multiplies `v` by the norm's per-dimension gain).
+"""),
+        code(SETTINGS),
+        code('''from kvmem.schema import CONVENTIONS
+
+for name, definition in CONVENTIONS.items():
+    print(f"{name}: {definition}\\n")'''),
+        md("""
+Value projections depend only on the weights, not on the corpus, so a tiny scan is enough to store them
+for every slot of the chosen layers (`context_activations=False` skips work this notebook does not need).
+"""),
+        code('''model = kvmem.load_model("smollm2-135m")
+LAYERS = [0, 29] if FAST else [0, 10, 20, 29]
+atlas = kvmem.scan(model, "pydoc", out=OUT / "atlas", overwrite=True, max_tokens=min(TOKENS, 512), layers=LAYERS,
+                   top_k=3, context_activations=False, progress=False)
+values = atlas.table("values")
+values.head(3)'''),
+        md("## Side by side: the top promoted tokens of a few slots under each convention"),
+        code('''import pandas as pd
+
+def side_by_side(layer, neuron, n=10):
+    frame = atlas.values(layer, neuron, kind="promote")
+    return pd.DataFrame({c: frame[frame.convention == c].sort_values("rank").token.head(n).tolist()
+                         for c in atlas.conventions})
+
+last = LAYERS[-1]
+for neuron in (0, 1, 2):
+    print(f"L{last}/{neuron}")
+    print(side_by_side(last, neuron).to_string(), "\\n")'''),
+        md("## Across whole layers: overlap of the top-20 promoted tokens"),
+        code('''promote = values[values.kind == "promote"]
+sets = promote.groupby(["layer", "neuron", "convention"]).token_id.agg(frozenset).unstack("convention")
+top1 = promote[promote["rank"] == 0].pivot_table(index=["layer", "neuron"], columns="convention", values="token_id")
+overlap = pd.DataFrame({
+    "shared of 20": [len(a & b) for a, b in zip(sets["raw"], sets["final_norm"])],
+    "same top token": (top1["raw"] == top1["final_norm"]).to_numpy(),
+}, index=sets.index)
+summary = overlap.groupby("layer").agg(mean_shared=("shared of 20", "mean"), median_shared=("shared of 20", "median"),
+                                       same_top_token=("same top token", "mean"))
+summary'''),
+        code('''import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(5.5, 2.8), layout="constrained")
+for layer, group in overlap.groupby("layer"):
+    ax.hist(group["shared of 20"], bins=range(22), histtype="step", linewidth=1.4, label=f"layer {layer}")
+ax.set_xlabel("tokens shared by the raw and final_norm top-20")
+ax.set_ylabel("slots")
+ax.legend(frameon=False);'''),
+        md("""
+Where the overlap is far below 20, the two conventions tell different stories about the same slot:
+a result quoted without its convention cannot be reproduced. kvmem writes the convention beside every
+number (`atlas.values(..., convention=...)`, the manifest, and every exported report).
+"""),
+    ]
+
+
+def neuron_reports():
+    return [
+        md("""
+# Neuron reports
+
+Export memory slots as reports: **HTML** (one self-contained file per slot, figures inline, opens offline),
+**Markdown** (renders on GitHub, figures as PNG files beside it) or **JSON** (schema `kvmem.neuron/1`,
+documented in `kvmem.report.record`). Many at once get an index page. The same from a shell:
+`kvmem report --atlas DIR --layer 29 --top 5 --format html --out reports/`.
+"""),
+        code(SETTINGS),
+        code('''model = kvmem.load_model("smollm2-135m")
+LAYER = 29
+atlas = kvmem.scan(model, "pydoc", out=OUT / "atlas", overwrite=True, max_tokens=TOKENS,
+                   layers=[LAYER] if FAST else [20, 25, LAYER], top_k=10, progress=False)
+atlas'''),
+        md("## Choose slots: the best of a layer by max coefficient, and the most often active"),
+        code('''from kvmem.report import export_many, select_neurons
+
+best = select_neurons(atlas, LAYER, top=3, by="max")
+often = select_neurons(atlas, LAYER, top=3, by="frac_positive")
+slots = list(dict.fromkeys(best + often))  # a slot can be in both lists
+slots'''),
+        code('''html_index = export_many(atlas, slots, format="html", out=OUT / "html", progress=False)
+md_index = export_many(atlas, slots, format="md", out=OUT / "md", progress=False)
+json_index = export_many(atlas, slots, format="json", out=OUT / "json", progress=False)
+for index in (html_index, md_index, json_index):
+    print(index, sorted(p.name for p in index.parent.iterdir()))'''),
+        md("## One report, read back: the JSON record"),
+        code('''import json
+
+import pandas as pd
+
+layer, neuron = slots[0]
+data = json.loads((OUT / "json" / f"L{layer}_N{neuron}.json").read_text())
+print(data["schema"], data["provenance"]["model"], data["provenance"]["convention"])
+pd.DataFrame(data["triggers"]["top"])[["rank", "activation", "token", "next_token", "context"]].head(5)'''),
+        md("Does the value promote the tokens that follow its triggers?"),
+        code('''pd.DataFrame(data["agreement"])[["convention", "triggers", "tokens", "checked", "fraction", "chance"]]'''),
+        md("## The Markdown version (first lines) and the slot itself, shown inline"),
+        code('''print("\\n".join((OUT / "md" / f"L{layer}_N{neuron}.md").read_text().splitlines()[:16]))'''),
+        code('''atlas.neuron(layer, neuron)'''),
+        md("Open the HTML report in a browser (it fetches nothing):"),
+        code('''print(html_index.parent / f"L{layer}_N{neuron}.html")'''),
+    ]
+
+
+NOTEBOOKS = {"quickstart": quickstart, "vocabulary_projections": vocabulary_projections,
+             "neuron_reports": neuron_reports}
+
+
+def build(name: str):
+    notebook = new_notebook(cells=NOTEBOOKS[name]())
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(notebook.cells):
+        cell["id"] = f"{name[:12]}-{i:02d}"  # stable ids: regenerating gives no spurious diff
+    nbformat.validate(notebook)
+    return notebook
+
+
+def main() -> None:
+    for name in NOTEBOOKS:
+        path = HERE / f"{name}.ipynb"
+        nbformat.write(build(name), path)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
