@@ -1,0 +1,165 @@
+"""Active memories (Geva et al. 2021, sec. 5.1): how many slots of a layer fire on a given prefix?
+
+At positions drawn uniformly (seeded) from a corpus, tokenized by the scan's rule, each layer's
+coefficients m [d_ff] are read at ``hook_post``. A slot is *active* when m_i > ``threshold``
+(Geva et al.'s ReLU: m_i > 0). Gated FFNs (SwiGLU, GeGLU) have signed coefficients, so the table
+also counts |m_i| > ``abs_threshold``, and a scale-free measure: the fraction of slots that carry
+90% of the layer's total sub-update weight Σ|m_i|·‖v_i‖.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from kvmem.errors import KvmemError
+from kvmem.experiments.common import as_atlas, atlas_corpus, check_fingerprint, check_positive, check_seed, provenance
+from kvmem.experiments.forward import Sampled, read_positions, sample_positions
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from kvmem.atlas import Atlas
+    from kvmem.models import Model
+
+__all__ = [
+    "ACTIVE_COLUMNS",
+    "DEFAULT_ABS_THRESHOLD",
+    "active_fractions",
+    "active_memories",
+    "plot_active_memories",
+    "sample_for",
+]
+
+DEFAULT_ABS_THRESHOLD = 0.1
+
+ACTIVE_COLUMNS = {
+    "layer": "FFN layer",
+    "positions": "corpus positions read",
+    "active_mean": "mean over positions of the fraction of slots with m_i > threshold",
+    "active_q1": "its first quartile over positions",
+    "active_median": "its median",
+    "active_q3": "its third quartile",
+    "abs_active_mean": "mean fraction of slots with |m_i| > abs_threshold (signed gated coefficients)",
+    "mass90_mean": "mean fraction of slots needed to carry 90% of sum_i |m_i| * ||v_i||",
+}
+
+
+def active_fractions(m: Tensor, *, threshold: float = 0.0, abs_threshold: float = DEFAULT_ABS_THRESHOLD,
+                     value_norms: Tensor | None = None) -> dict[str, np.ndarray]:
+    """Per position: fractions of active slots. m [n, d_ff]; value_norms [d_ff] (None: all 1).
+
+    Returns {"active": [n] (m_i > threshold), "abs_active": [n] (|m_i| > abs_threshold),
+    "mass90": [n] (fraction of slots whose largest |m_i|·‖v_i‖ reach 90% of the total)}.
+    """
+    import torch
+
+    m = m.float()
+    d_ff = m.shape[1]
+    weight = m.abs() if value_norms is None else m.abs() * value_norms.float()[None]  # [n, d_ff]
+    ordered = torch.sort(weight, dim=1, descending=True).values.double()
+    cumulative = ordered.cumsum(dim=1)  # [n, d_ff]
+    needed = (cumulative < 0.9 * cumulative[:, -1:]).sum(dim=1) + 1  # slots until 90% is reached
+    return {"active": ((m > threshold).sum(dim=1).double() / d_ff).numpy(),
+            "abs_active": ((m.abs() > abs_threshold).sum(dim=1).double() / d_ff).numpy(),
+            "mass90": (needed.double() / d_ff).numpy()}
+
+
+def sample_for(model: Model, corpus: Any, atlas: Atlas | None, *, positions: int, seed: int, window: int | None,
+               prepend_bos: bool | None, max_tokens: int | None, unit: str) -> tuple[Sampled, Any, dict]:
+    """Sampled positions for an experiment; settings default to the atlas's (corpus, window, BOS, tokens)."""
+    from kvmem.corpus import open_corpus
+
+    check_positive("positions", positions)
+    check_seed(seed)
+    check_positive("max_tokens", max_tokens, allow_none=True)
+    if atlas is not None:
+        corpus = atlas_corpus(atlas, corpus)
+        tokenization = atlas.manifest["tokenization"]
+        window = window or int(tokenization["window"])
+        prepend_bos = bool(tokenization.get("prepend_bos", True)) if prepend_bos is None else prepend_bos
+        max_tokens = max_tokens or int(atlas.manifest["tokens"])
+    elif corpus is None:
+        raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
+    else:
+        corpus = open_corpus(corpus, unit=unit)
+    prepend_bos = True if prepend_bos is None else prepend_bos
+    sampled = sample_positions(model, corpus, positions=positions, seed=seed, window=window, prepend_bos=prepend_bos,
+                               max_tokens=max_tokens)
+    settings = {"positions": len(sampled.doc), "requested_positions": positions, "seed": seed, "window": window,
+                "prepend_bos": prepend_bos, "max_tokens": max_tokens, "sampled_from_tokens": sampled.corpus_tokens}
+    return sampled, corpus, settings
+
+
+def active_memories(model: Model, corpus: Any = None, *, positions: int = 500, threshold: float = 0.0,
+                    abs_threshold: float = DEFAULT_ABS_THRESHOLD, seed: int = 0, layers: Sequence[int] | None = None,
+                    atlas: Atlas | str | None = None, window: int | None = None, prepend_bos: bool | None = None,
+                    max_tokens: int | None = None, unit: str = "document", batch_tokens: int = 4096) -> pd.DataFrame:
+    """Per layer, the fraction of memory slots active at random corpus positions (Geva et al.: 10-50%).
+
+    ``corpus``: anything :func:`kvmem.corpus.open_corpus` takes (with ``unit``), or None with ``atlas``
+    (its corpus, window, BOS and token count are the defaults). Positions are drawn uniformly from
+    the first ``max_tokens`` tokens. Columns :data:`ACTIVE_COLUMNS`; provenance in ``frame.attrs``.
+    """
+    import torch
+
+    atlas = as_atlas(atlas) if atlas is not None else None
+    match = check_fingerprint(atlas, model) if atlas is not None else None
+    chosen = list(range(model.n_layers)) if layers is None else sorted({int(x) for x in layers})
+    for layer in chosen:
+        model.hook_name(layer)  # checks the range
+    sampled, corpus, settings = sample_for(model, corpus, atlas, positions=positions, seed=seed, window=window,
+                                           prepend_bos=prepend_bos, max_tokens=max_tokens, unit=unit)
+    hooks = {layer: model.hook_name(layer, "post") for layer in chosen}
+    norms = {layer: model.values(layer).float().norm(dim=1) for layer in chosen}  # [d_ff]
+    parts: dict[int, list[dict[str, np.ndarray]]] = {layer: [] for layer in chosen}
+
+    def on_batch(index: np.ndarray, captured: dict[str, torch.Tensor]) -> None:
+        for layer, name in hooks.items():
+            parts[layer].append(active_fractions(captured[name], threshold=threshold, abs_threshold=abs_threshold,
+                                                 value_norms=norms[layer]))
+
+    read_positions(model, sampled.sequences, sampled.reads, list(hooks.values()), on_batch, batch_tokens=batch_tokens)
+    rows = []
+    for layer in chosen:
+        active = np.concatenate([p["active"] for p in parts[layer]])
+        rows.append({"layer": layer, "positions": len(active), "active_mean": float(active.mean()),
+                     "active_q1": float(np.quantile(active, 0.25)), "active_median": float(np.median(active)),
+                     "active_q3": float(np.quantile(active, 0.75)),
+                     "abs_active_mean": float(np.concatenate([p["abs_active"] for p in parts[layer]]).mean()),
+                     "mass90_mean": float(np.concatenate([p["mass90"] for p in parts[layer]]).mean())})
+    frame = pd.DataFrame(rows, columns=list(ACTIVE_COLUMNS))
+    frame.attrs = provenance("active_memories", model=model, atlas=atlas, corpus=corpus, settings={
+        **settings, "threshold": threshold, "abs_threshold": abs_threshold, "layers": chosen,
+        "active": "m_i > threshold at hook_post", "abs_active": "|m_i| > abs_threshold"})
+    if match is not None:
+        frame.attrs["fingerprint_match"] = match
+    return frame
+
+
+def plot_active_memories(frame: pd.DataFrame, *, ax=None):
+    """Fraction of active slots per layer (mean line, quartile band), |m| > threshold and the 90%-mass share."""
+    import matplotlib.pyplot as plt
+
+    if not {"layer", "active_mean", "active_q1", "active_q3"} <= set(frame.columns):
+        raise KvmemError("plot_active_memories expects the frame of kvmem.experiments.active_memories")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    settings = frame.attrs.get("settings", {})
+    ax.fill_between(frame.layer, 100 * frame.active_q1, 100 * frame.active_q3, alpha=0.25)
+    ax.plot(frame.layer, 100 * frame.active_mean, marker="o", ms=3,
+            label=f"m_i > {settings.get('threshold', 0)} (mean, quartiles)")
+    if "abs_active_mean" in frame:
+        ax.plot(frame.layer, 100 * frame.abs_active_mean, ls="--", label=f"|m_i| > {settings.get('abs_threshold', '?')}")
+    if "mass90_mean" in frame:
+        ax.plot(frame.layer, 100 * frame.mass90_mean, ls=":", label="slots carrying 90% of Σ|m_i|·‖v_i‖")
+    ax.axhspan(10, 50, color="tab:green", alpha=0.08, lw=0, label="Geva et al.: 10-50%")
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("slots (%)")
+    ax.set_title(f"active memories per position ({frame.attrs.get('model', '?')})")
+    ax.legend(fontsize="small")
+    return ax

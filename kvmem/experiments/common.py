@@ -1,0 +1,237 @@
+"""What every experiment shares: atlas access, provenance, the model an atlas was made with, value tops.
+
+Shapes use kvmem's vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``batch``, ``pos``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from kvmem.errors import KvmemError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from kvmem.atlas import Atlas
+    from kvmem.corpus import Corpus
+    from kvmem.models import Model
+
+__all__ = [
+    "CONVENTIONS",
+    "FingerprintWarning",
+    "as_atlas",
+    "atlas_corpus",
+    "atlas_layers",
+    "check_convention",
+    "check_fingerprint",
+    "check_positive",
+    "check_seed",
+    "convention_vectors",
+    "model_for_atlas",
+    "provenance",
+    "read_columns",
+    "single_cycle",
+    "value_top_tokens",
+]
+
+# projection convention -> what a value v [d_model] is multiplied by W_U with (kvmem.schema.CONVENTIONS)
+CONVENTIONS = {
+    "raw": "score = W_U^T v (no norm; LM-Debugger's reading)",
+    "final_norm": "score = W_U^T (final norm's linear part of v): centring (LayerNorm) and gain, no 1/sigma, no bias",
+}
+
+
+class FingerprintWarning(UserWarning):
+    """The model's weights differ from the weights the atlas was scanned with."""
+
+
+def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise KvmemError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def single_cycle(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A random permutation sigma of range(n) with a single cycle, so sigma[i] != i for every i when n > 1."""
+    order = rng.permutation(n)
+    sigma = np.empty(n, np.int64)
+    sigma[order] = np.roll(order, -1)
+    return sigma
+
+
+def check_seed(seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise KvmemError(f"seed must be an integer >= 0, got {seed!r}")
+
+
+def check_convention(convention: str, atlas: Atlas | None = None) -> None:
+    if convention not in CONVENTIONS:
+        raise KvmemError(f"unknown projection convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+    if atlas is not None and convention not in atlas.conventions:
+        raise KvmemError(f"convention {convention!r} is not in atlas {atlas.path}; it has "
+                         f"{', '.join(atlas.conventions)}: pick one of those or rescan with --conventions {convention}")
+
+
+def as_atlas(atlas: Atlas | str | os.PathLike) -> Atlas:
+    """An :class:`~kvmem.atlas.Atlas`, opening a directory path if given one."""
+    from kvmem.atlas import Atlas
+
+    return atlas if isinstance(atlas, Atlas) else Atlas(atlas)
+
+
+def read_columns(atlas: Atlas, table: str, columns: list[str], filters: list | None = None) -> pd.DataFrame:
+    """A few columns of an atlas table, rows filtered by pyarrow ``filters`` (never the whole table in memory)."""
+    import pyarrow.parquet as pq
+
+    path = atlas.path / f"{table}.parquet"
+    if not path.exists():
+        raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
+    try:
+        return pq.read_table(path, columns=columns, filters=filters).to_pandas()
+    except (OSError, ValueError) as error:
+        raise KvmemError(f"cannot read {columns} from {path} ({str(error).splitlines()[0]}); scan again") from None
+
+
+def atlas_layers(atlas: Atlas, layers: Any = None) -> list[int]:
+    """The requested layers (None: all the atlas holds), each checked against the atlas."""
+    if layers is None:
+        return atlas.layers
+    chosen = sorted({int(layer) for layer in layers})
+    missing = [layer for layer in chosen if layer not in atlas.layers]
+    if missing or not chosen:
+        raise KvmemError(f"layer(s) {missing or '(none)'} not in atlas {atlas.path}; it holds layers "
+                         f"{atlas.layers[0]}..{atlas.layers[-1]}")
+    return chosen
+
+
+def check_fingerprint(atlas: Atlas, model: Model) -> bool:
+    """True when ``model`` has the weights the atlas was scanned with; warns (FingerprintWarning) when not."""
+    expected = atlas.manifest["model"]["fingerprint"]
+    if model.fingerprint == expected:
+        return True
+    warnings.warn(f"model {model.name!r} has fingerprint {model.fingerprint}, but atlas {atlas.path} was scanned with "
+                  f"{atlas.manifest['model']['name']!r} ({expected}): the numbers mix two models' weights",
+                  FingerprintWarning, stacklevel=3)
+    return False
+
+
+def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.PathLike | None = None, *,
+                    device: Any = None) -> Model:
+    """The model to pair with an atlas: ``model`` if given (a Model or a name / path to load), else the atlas's own.
+
+    The fingerprint is checked (:func:`check_fingerprint`) either way.
+    """
+    from kvmem.models import Model, load_model
+
+    atlas = as_atlas(atlas)
+    if not isinstance(model, Model):
+        name = model if model is not None else atlas.manifest["model"]["name"]
+        dtype = atlas.manifest["model"].get("dtype") if model is None else None
+        model = load_model(name, device=device, dtype=dtype)
+    check_fingerprint(atlas, model)
+    return model
+
+
+def atlas_corpus(atlas: Atlas, corpus: Any = None) -> Corpus:
+    """The atlas's corpus re-opened from its manifest (same unit), or ``corpus`` opened with the atlas's unit.
+
+    Doc indices in the atlas refer to this stream, so it must be the very corpus that was scanned.
+    """
+    from kvmem.corpus import open_corpus
+
+    described = atlas.manifest["corpus"]
+    unit = described.get("unit", "document")
+    text_field = described.get("text_field", "text")
+    if corpus is not None:
+        return open_corpus(corpus, unit=unit, text_field=text_field)
+    spec = described["spec"]
+    if spec.startswith(("list[", "dataset[")):
+        raise KvmemError(f"atlas {atlas.path} was scanned from an in-memory corpus ({spec}) that cannot be re-opened; "
+                         f"pass the same corpus again (corpus=..., --corpus)")
+    return open_corpus(spec, unit=unit, text_field=text_field)
+
+
+def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | None = None, corpus: Any = None,
+               convention: str | None = None, settings: dict | None = None) -> dict:
+    """Everything that identifies a result, for ``frame.attrs`` (JSON-serialisable)."""
+    from kvmem import __version__
+
+    out: dict[str, Any] = {"experiment": experiment}
+    if model is not None:
+        out.update(model=model.name, fingerprint=model.fingerprint, dtype=str(model.dtype).removeprefix("torch."),
+                   gated=model.gated, vocab_size=model.vocab_size)
+    if atlas is not None:
+        m = atlas.manifest
+        out.setdefault("model", m["model"]["name"])
+        out.setdefault("fingerprint", m["model"]["fingerprint"])
+        out.setdefault("gated", m["model"].get("gated"))
+        out.setdefault("vocab_size", m["model"].get("vocab_size"))
+        out.update(atlas=str(atlas.path), atlas_fingerprint=m["model"]["fingerprint"], corpus=m["corpus"]["spec"],
+                   corpus_unit=m["corpus"].get("unit"), atlas_tokens=m["tokens"], tokenization={
+                       k: v for k, v in m["tokenization"].items() if k != "rule"}, atlas_top_k=m["scan"]["top_k"])
+        if model is not None:
+            out["fingerprint_match"] = model.fingerprint == m["model"]["fingerprint"]
+    elif corpus is not None:
+        out["corpus"] = corpus.spec if hasattr(corpus, "spec") else str(corpus)
+        out["corpus_unit"] = getattr(corpus, "unit", None)
+    if convention is not None:
+        out.update(convention=convention, convention_formula=CONVENTIONS[convention])
+    out["settings"] = dict(settings or {})
+    out["kvmem_version"] = __version__
+    return out
+
+
+def convention_vectors(model: Model, vectors: Tensor, convention: str) -> Tensor:
+    """vectors [n, d_model] as the convention feeds them to W_U [d_model, vocab] -> [n, d_model] float32."""
+    vectors = vectors.float()
+    if convention == "final_norm":
+        vectors = model.final_norm().linear_part(vectors).float()
+    return vectors
+
+
+# model -> {(layer, convention): (argmax [d_ff], argmin [d_ff])}: the vocabulary pass is the slow part
+_TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas: Atlas | None = None,
+                     block: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot of ``layer``: the token its value promotes most and the one it suppresses most.
+
+    Returns (top [d_ff], bottom [d_ff]) int64 token ids, argmax and argmin of the value's vocabulary
+    scores under ``convention``. Read from the atlas's values table (rank 0) when ``atlas`` holds the
+    layer and convention; otherwise computed from the model in blocks of ``block`` slots.
+    """
+    if atlas is not None and layer in atlas.layers and convention in atlas.conventions:
+        frame = read_columns(atlas, "values", ["neuron", "kind", "token_id"],
+                             [("layer", "=", layer), ("convention", "=", convention), ("rank", "=", 0)])
+        d_ff = atlas.d_ff
+        out = []
+        for kind in ("promote", "suppress"):
+            part = frame[frame.kind == kind]
+            ids = np.full(d_ff, -1, np.int64)
+            ids[part.neuron.to_numpy()] = part.token_id.to_numpy()
+            out.append(ids)
+        return out[0], out[1]
+    if model is None:
+        raise KvmemError(f"layer {layer} / convention {convention!r} is not in the atlas; pass the model to compute it")
+    cache = _TOPS.setdefault(model, {})
+    if (layer, convention) not in cache:
+        import torch
+
+        vectors = convention_vectors(model, model.values(layer), convention)  # [d_ff, d_model]
+        unembedding = model.unembedding().float()  # [d_model, vocab]
+        tops, bottoms = [], []
+        with torch.inference_mode():
+            for start in range(0, vectors.shape[0], block):
+                scores = vectors[start:start + block] @ unembedding  # [block, vocab]
+                tops.append(scores.argmax(dim=1))
+                bottoms.append(scores.argmin(dim=1))
+        cache[(layer, convention)] = (torch.cat(tops).cpu().numpy(), torch.cat(bottoms).cpu().numpy())
+    return cache[(layer, convention)]
