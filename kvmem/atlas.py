@@ -145,7 +145,10 @@ class Atlas:
             for g in range(meta.num_row_groups):
                 rg = meta.row_group(g)
                 layer, neuron = rg.column(li).statistics, rg.column(ni).statistics
-                groups.append((int(layer.min), int(neuron.min), int(neuron.max)))
+                if rg.num_rows == 0 or layer is None or neuron is None:
+                    groups.append((-1, 0, -1))  # an empty table's single empty row group
+                else:
+                    groups.append((int(layer.min), int(neuron.min), int(neuron.max)))
             self._groups[table] = groups
         return self._files[table]
 
@@ -285,11 +288,16 @@ class Atlas:
         hits = frame[frame.context.map(lambda text: regex.search(text) is not None)]
         return hits.head(limit).reset_index(drop=True)
 
-    def table(self, name: str) -> pd.DataFrame:
-        """A whole table as a DataFrame (large for big atlases)."""
+    def table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
+        """A whole table as a DataFrame, optionally only some columns (large for big atlases)."""
         if name not in TABLES:
             raise KvmemError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
-        return self._table(name)
+        if columns is not None:
+            unknown = sorted(set(columns) - set(self._file(name).schema_arrow.names))
+            if unknown:
+                raise KvmemError(f"table {name!r} has no column(s) {unknown}; see kvmem.schema.COLUMNS")
+            columns = list(columns)
+        return self._table(name, columns)
 
 
 def _ranges(values: list[int]) -> str:

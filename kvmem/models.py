@@ -51,6 +51,16 @@ class FinalNorm:
             vectors = vectors - vectors.mean(dim=-1, keepdim=True)
         return vectors * self.gain
 
+    def apply(self, x: Tensor) -> Tensor:
+        """The full norm as the model applies it (scale, gain, bias), in float32: [..., d_model]."""
+        import torch
+
+        x = x.float()
+        if self.kind == "layernorm":
+            x = x - x.mean(dim=-1, keepdim=True)
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.gain.float()
+        return x if self.bias is None else x + self.bias.float()
+
 
 def _dtype(dtype: Any) -> torch.dtype:
     import torch

@@ -151,16 +151,7 @@ def _resolve_position(position: int, n_tokens: int) -> int:
 
 def apply_final_norm(norm: FinalNorm, x: Tensor) -> Tensor:
     """The full final norm (scale, gain, bias) as the model applies it: x [..., d_model] -> [..., d_model]."""
-    import torch
-
-    x = x.float()
-    if norm.kind == "layernorm":
-        x = x - x.mean(dim=-1, keepdim=True)
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.eps)
-    else:
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + norm.eps)
-    x = x * norm.gain.float()
-    return x if norm.bias is None else x + norm.bias.float()
+    return norm.apply(x)
 
 
 def _lens(model: Model, resid: Tensor) -> Tensor:

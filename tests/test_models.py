@@ -182,3 +182,12 @@ def test_smollm2_real_model():
     with torch.no_grad():
         logits = model.bridge(ids)
     assert model.token_str(int(logits[0, -1].argmax())) == " Paris"
+
+
+def test_final_norm_apply_matches_the_model(gpt2_model, llama_model):
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(gpt2_model.final_norm().apply(x), gpt2_model.hf_model.transformer.ln_f(x),
+                                   atol=1e-5, rtol=1e-5)
+        norm = llama_model._module(llama_model.spec.final_norm)
+        torch.testing.assert_close(llama_model.final_norm().apply(x), norm(x), atol=1e-5, rtol=1e-5)

@@ -303,3 +303,12 @@ def test_hostile_text_scans(gpt2_model, tmp_path):
     atlas = kvmem.scan(gpt2_model, docs, out=tmp_path / "a", top_k=2, window=16, top_n=2, progress=False)
     contexts = set(atlas.table("triggers").context)
     assert any("<script>" in c for c in contexts) and any("\ufffd" in c for c in contexts)
+
+
+def test_key_projections_can_be_skipped(gpt2_model, tmp_path):
+    atlas = kvmem.scan(gpt2_model, SHORT_DOCS[:2], out=tmp_path / "a", top_k=2, window=16, top_n=2,
+                       key_projections=False, context_activations=False, progress=False)
+    assert atlas.keys(0, 0).empty and len(atlas.values(0, 0)) == 2 * 2 * 2
+    assert list(atlas.table("triggers", columns=["layer", "pos"]).columns) == ["layer", "pos"]
+    with pytest.raises(kvmem.KvmemError, match="has no column"):
+        atlas.table("triggers", columns=["nope"])

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
     parser.add_argument("--top-n", type=int, default=20, help="tokens kept per value / key projection")
     parser.add_argument("--conventions", default="raw,final_norm", help="value projection conventions")
+    parser.add_argument("--no-key-projections", action="store_true",
+                        help="skip projecting keys through the input embedding (saves vocabulary passes)")
     parser.add_argument("--no-context-activations", action="store_true",
                         help="skip recomputing each trigger's neuron on its context (saves one forward)")
     parser.add_argument("--shard", default="0/1", help="scan documents with index %% N == i (i/N)")
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         layers=parse_layers(args.layers), top_k=args.top_k, per_document=args.per_document,
         max_tokens=args.max_tokens, window=args.window, batch_size=args.batch_size, prepend_bos=not args.no_bos,
         top_n=args.top_n, conventions=tuple(c.strip() for c in args.conventions.split(",") if c.strip()),
-        context_activations=not args.no_context_activations, shard=parse_shard(args.shard),
+        context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every)
     from kvmem.scanning.config import ScanConfig
 

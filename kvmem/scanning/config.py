@@ -25,6 +25,7 @@ class ScanConfig:
     context_activations: recompute each trigger's neuron on its context tokens (one more forward per window with triggers)
     top_n:            tokens kept per value / key projection, each direction
     conventions:      value projection conventions (see kvmem.schema.CONVENTIONS)
+    key_projections:  also project key (and gate) vectors through the input embedding
     shard:            (i, n): scan documents with index % n == i
     checkpoint_every: tokens between checkpoints (None = no checkpoints)
     """
@@ -41,6 +42,7 @@ class ScanConfig:
     context_activations: bool = True
     top_n: int = 20
     conventions: tuple[str, ...] = ("raw", "final_norm")
+    key_projections: bool = True
     shard: tuple[int, int] = (0, 1)
     checkpoint_every: int | None = None
     _extra: dict = field(default_factory=dict, repr=False, compare=False)

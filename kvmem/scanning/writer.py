@@ -208,7 +208,7 @@ def projection_tables(model: Model, layers: list[int], config: ScanConfig) -> di
         for convention in config.conventions:
             value_parts.append(_projection_rows(layer, project_rows(value_vectors(model, layer, convention), unembedding, n),
                                                 "convention", convention))
-        for vector, rows in key_vectors(model, layer).items():
+        for vector, rows in (key_vectors(model, layer).items() if config.key_projections else ()):
             key_parts.append(_projection_rows(layer, project_rows(rows, embedding, n), "vector", vector))
     return {"values": _projection_table(value_parts, "convention", vocab),
             "keys": _projection_table(key_parts, "vector", vocab)}
@@ -223,6 +223,10 @@ def _projection_rows(layer: int, projection, label_name: str, label: str) -> dic
 
 def _projection_table(parts: list[dict], label_name: str, vocab: np.ndarray) -> pa.Table:
     """Rows sorted by (layer, neuron, label, kind, rank)."""
+    order = ["layer", "neuron", label_name, "kind", "rank", "token_id", "token", "score"]
+    if not parts:  # e.g. key projections switched off: an empty table with the same columns
+        types = [pa.int16(), pa.int32(), pa.string(), pa.string(), pa.int16(), pa.int32(), pa.string(), pa.float32()]
+        return pa.table({name: pa.array([], t) for name, t in zip(order, types)})
     by_layer: dict[int, list[dict]] = {}
     for part in parts:
         by_layer.setdefault(part["layer"], []).append(part)
@@ -246,7 +250,6 @@ def _projection_table(parts: list[dict], label_name: str, vocab: np.ndarray) -> 
             columns.setdefault(name, []).append(values)
     merged = {name: np.concatenate(values) for name, values in columns.items()}
     merged["token"] = vocab[merged["token_id"]]
-    order = ["layer", "neuron", label_name, "kind", "rank", "token_id", "token", "score"]
     return pa.table({name: (pa.array(merged[name].tolist(), pa.string()) if merged[name].dtype == object
                             else merged[name]) for name in order})
 
