@@ -13,9 +13,9 @@ import argparse
 import json
 
 import torch
+from common import Timer, machine, peak_rss_mb, token_batches
 
 import kvmem
-from common import Timer, machine, peak_rss_mb, token_batches
 
 
 def naive(model, tokens: int) -> None:

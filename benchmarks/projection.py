@@ -10,9 +10,9 @@ import argparse
 import json
 
 import torch
+from common import Timer, machine
 
 import kvmem
-from common import Timer, machine
 from kvmem.scanning.projection import project_rows
 
 

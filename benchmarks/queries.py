@@ -16,8 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import kvmem
 from common import machine
+
+import kvmem
 
 
 def main() -> None:

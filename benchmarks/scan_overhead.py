@@ -15,9 +15,9 @@ import json
 import statistics
 
 import torch
+from common import Timer, machine, token_batches
 
 import kvmem
-from common import Timer, machine, token_batches
 from kvmem.scanning.accumulator import new_layer_state, pack, update
 from kvmem.scanning.capture import capture_coefficients
 from kvmem.scanning.histogram import HIST_BINS
@@ -34,20 +34,23 @@ def main() -> None:
     model = kvmem.load_model(args.model)
     batches = token_batches(model, args.tokens, batch_size=args.batch_size)
     layers = list(range(model.n_layers))
-    states = {layer: new_layer_state(model.d_ff, 25, per_document=False) for layer in layers}
-    offsets = torch.arange(model.d_ff, dtype=torch.int32) * HIST_BINS
+    device = model.device  # a GPU when one is present: bookkeeping stays on the device
+    states = {layer: new_layer_state(model.d_ff, 25, per_document=False, device=device) for layer in layers}
+    offsets = torch.arange(model.d_ff, dtype=torch.int32, device=device) * HIST_BINS
 
     def bare(ids):
         with torch.inference_mode():
-            model.bridge(ids)
+            model.bridge(ids.to(device))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     def truncated(ids):
         capture_coefficients(model, ids, layers, lambda layer, m: None)
 
     def scan_step(ids):
         b, n = ids.shape
-        flat = torch.arange(b * n).view(b, n)[:, 1:].reshape(-1)  # every position but BOS
-        docs = torch.arange(b).repeat_interleave(n - 1)
+        flat = torch.arange(b * n, device=device).view(b, n)[:, 1:].reshape(-1)  # every position but BOS
+        docs = torch.arange(b, device=device).repeat_interleave(n - 1)
         codes = pack(docs, flat % n)
 
         def on(layer, m):
@@ -55,6 +58,8 @@ def main() -> None:
             update(states[layer], acts, codes, docs, offsets)
 
         capture_coefficients(model, ids, layers, on)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     bare(batches[0]), truncated(batches[0]), scan_step(batches[0])  # warm-up
     seconds = {"bare": [], "truncated": [], "scan": []}

@@ -156,7 +156,6 @@ def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: An
     >>> model.n_layers, model.d_ff, model.gated
     (30, 1536, True)
     """
-    import torch
 
     torch_dtype = _dtype(dtype)
     name = str(name_or_path)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvmem
-from kvmem.anatomy import (attention_params, ffn_flops_per_token, ffn_params, ffn_share,
-                           hidden_activation_memory)
+from kvmem.anatomy import attention_params, ffn_flops_per_token, ffn_params, ffn_share, hidden_activation_memory
 
 
 def test_seed_figures():

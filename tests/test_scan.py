@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import SHORT_DOCS
 
 import kvmem
 from kvmem.scanning.histogram import HIST_BINS, reference_bin
-from conftest import SHORT_DOCS
 
 WINDOW = 8
 K = 4

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
-        getattr(module, "add_arguments")(sub, name)
-        sub.set_defaults(_run=getattr(module, "run"))
+        module.add_arguments(sub, name)
+        sub.set_defaults(_run=module.run)
     return parser
 
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvmem.atomic import staged_directory
 from kvmem.errors import KvmemError
 
 __all__ = ["FORMATS", "RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
@@ -117,10 +116,7 @@ def export_many(atlas, neurons: Iterable[tuple[int, int]], *, format: str = "htm
         atlas.check(layer, neuron)
     target = Path(out)
     _check_target(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-", dir=target.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a report directory is not
-    try:
+    with staged_directory(target, mode=0o777 & ~_umask()) as tmp:  # a report directory is not private
         from tqdm import tqdm  # plain: tqdm.auto warns in notebooks without ipywidgets
 
         rows = []
@@ -130,16 +126,6 @@ def export_many(atlas, neurons: Iterable[tuple[int, int]], *, format: str = "htm
         provenance = {key: data["provenance"][key] for key in ("model", "fingerprint", "corpus", "tokens", "convention",
                                                                "kvmem_version", "exported_with")}
         _write_text(tmp / f"index{FORMATS[format]}", render_index(rows, provenance, format=format))
-        if target.exists():
-            trash = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, trash)
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target / f"index{FORMATS[format]}"
 
 

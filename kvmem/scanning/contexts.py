@@ -34,15 +34,15 @@ class TriggerText:
     window_end: int
 
 
-def _pieces(text: str, offsets: list[tuple[int, int]], start: int, stop: int) -> tuple[list[str], int]:
-    """Context pieces for tokens start..stop-1 whose concatenation is the original text slice."""
-    begin = offsets[start][0]
-    pieces, cursor = [], begin
+def _pieces(text: str, offsets: list[tuple[int, int]], start: int, stop: int) -> list[str]:
+    """Context pieces for tokens start..stop-1 whose concatenation is the original text slice;
+    the whitespace before a token belongs to it."""
+    pieces, cursor = [], offsets[start][0]
     for j in range(start, stop):
         end = max(offsets[j][1], cursor)
         pieces.append(text[cursor:end])
         cursor = end
-    return pieces, begin
+    return pieces
 
 
 def trigger_texts(model: Model, corpus: Corpus, positions: set[tuple[int, int]], *, window: int,
@@ -67,9 +67,9 @@ def trigger_texts(model: Model, corpus: Corpus, positions: set[tuple[int, int]],
             w1 = min(w0 + window, len(ids))
             c0, c1 = max(w0, pos - before), min(w1, pos + after + 1)
             if offsets is not None:
-                pieces, begin = _pieces(document.text, offsets, c0, c1)
+                pieces = _pieces(document.text, offsets, c0, c1)
             else:
-                pieces, begin = [model.token_str(t) for t in ids[c0:c1]], 0
+                pieces = [model.token_str(t) for t in ids[c0:c1]]
             trigger = pos - c0
             span_start = sum(len(p) for p in pieces[:trigger])
             out[(document.index, pos)] = TriggerText(
@@ -79,6 +79,13 @@ def trigger_texts(model: Model, corpus: Corpus, positions: set[tuple[int, int]],
         if not by_doc:
             break
     return out
+
+
+def _capture_all(model: Model, ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Coefficients [batch, pos, d_ff] of each layer, on the CPU in float32."""
+    captured: dict[int, torch.Tensor] = {}
+    capture_coefficients(model, ids, layers, lambda layer, m: captured.__setitem__(layer, m.float().cpu()))
+    return captured
 
 
 def context_activations(model: Model, corpus: Corpus, texts: dict[tuple[int, int], TriggerText], unique: np.ndarray,
@@ -120,9 +127,8 @@ def context_activations(model: Model, corpus: Corpus, texts: dict[tuple[int, int
         for i, r in enumerate(rows):
             ids[i, :len(r)] = torch.tensor(r)
         members = order[np.searchsorted(sorted_key, chunk[0]):np.searchsorted(sorted_key, chunk[-1], side="right")]
-        captured: dict[int, torch.Tensor] = {}
         wanted = sorted(set(layer[members].tolist()))
-        capture_coefficients(model, ids, wanted, lambda lay, m: captured.__setitem__(lay, m.float().cpu()))
+        captured = _capture_all(model, ids, wanted)
         for lay in wanted:
             sel = members[layer[members] == lay]
             row = torch.from_numpy(np.searchsorted(chunk, key[sel]))

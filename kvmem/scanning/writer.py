@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvmem.atomic import staged_directory
 from kvmem.corpus import Corpus
 from kvmem.models import Model
 from kvmem.scanning.accumulator import LayerState, ordered, unpack
@@ -44,24 +42,12 @@ def write_atlas(target: Path, model: Model, corpus: Corpus, config: ScanConfig, 
 def write_tables(target: Path, tables: dict[str, pa.Table], manifest: dict, *, overwrite: bool) -> None:
     """Write into a hidden sibling directory, then rename it into place: a crash leaves no half atlas."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-", dir=target.parent))
-    try:
+    if target.exists() and not overwrite:
+        raise FileExistsError(target)
+    with staged_directory(target) as tmp:
         for name, table in tables.items():
             _write_parquet(tmp / f"{name}.parquet", table)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if target.exists():
-            if not overwrite:
-                raise FileExistsError(target)
-            trash = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, trash)
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_parquet(path: Path, table: pa.Table) -> None:
