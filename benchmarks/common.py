@@ -41,7 +41,7 @@ def run_isolated(script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def token_batches(model, n_tokens: int, *, window: int = 256, batch_size: int = 8, corpus: str = "stdlib-docs"):
+def token_batches(model, n_tokens: int, *, window: int = 256, batch_size: int = 8, corpus: str = "pydoc"):
     """Real-text input ids [batch, window + 1] (BOS first), enough for n_tokens scored tokens."""
     import torch
 

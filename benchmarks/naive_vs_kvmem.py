@@ -2,7 +2,8 @@
 
 naive: TransformerLens ``run_with_cache`` on every ``hook_post``, concatenated over the corpus,
 then ``torch.topk`` (top and bottom 25) per layer. kvmem: ``kvmem.scanning.runner.stream`` with
-the same k, statistics and histograms. Each run is a fresh process, so peak RSS is its own.
+the same k, statistics and histograms, over the same corpus (``pydoc``: long documents, so both read
+full 256-token windows). Each run is a fresh process, so peak RSS is its own.
 
     python benchmarks/naive_vs_kvmem.py --mode naive|kvmem --tokens 10000 [--model gpt2-random]
 """
@@ -48,7 +49,7 @@ def main() -> None:
         else:
             from kvmem.scanning.runner import stream
 
-            state = stream(model, "stdlib-docs", max_tokens=args.tokens, top_k=25, window=256, batch_size=8)
+            state = stream(model, "pydoc", max_tokens=args.tokens, top_k=25, window=256, batch_size=8)
             assert state.tokens == args.tokens
     result = {"mode": args.mode, "model": args.model, "tokens": args.tokens,
               "tok_s": round(args.tokens / timer.seconds, 1), "seconds": round(timer.seconds, 1),

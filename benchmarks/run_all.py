@@ -14,18 +14,24 @@ from common import HERE, machine, run_isolated
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default=None, help="rerun some sections (overhead,memory,projection,queries), "
+                                                       "keeping the others from results.json")
     args = parser.parse_args()
     small, large = (2_000, 6_000) if args.quick else (10_000, 100_000)
     overhead_tokens = "2048" if args.quick else "8192"
-    results = {
-        "overhead": [run_isolated("scan_overhead.py", "--model", m, "--tokens", overhead_tokens)
-                     for m in ("gpt2-random", "smollm2-135m")],
-        "memory": [run_isolated("naive_vs_kvmem.py", "--mode", mode, "--tokens", str(n))
-                   for n in (small, large) for mode in ("kvmem", "naive")],
-        "projection": [run_isolated("projection.py", "--model", m) for m in ("gpt2-random", "smollm2-135m")],
-        "queries": run_isolated("queries.py"),
+    sections = {
+        "overhead": lambda: [run_isolated("scan_overhead.py", "--model", m, "--tokens", overhead_tokens)
+                             for m in ("gpt2-random", "smollm2-135m")],
+        "memory": lambda: [run_isolated("naive_vs_kvmem.py", "--mode", mode, "--tokens", str(n))
+                           for n in (small, large) for mode in ("kvmem", "naive")],
+        "projection": lambda: [run_isolated("projection.py", "--model", m) for m in ("gpt2-random", "smollm2-135m")],
+        "queries": lambda: run_isolated("queries.py"),
     }
-    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    path = HERE / "results.json"
+    results = json.loads(path.read_text()) if args.only and path.exists() else {}
+    for name in (args.only.split(",") if args.only else sections):
+        results[name] = sections[name]()
+    path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"Measured on: {machine()}\n")
     print("| scan overhead | bare forward tok/s | forward to last FFN tok/s | full scan tok/s | scan / bare | scan / truncated |")
     print("|---|---|---|---|---|---|")

@@ -236,19 +236,39 @@ class Atlas:
         token_id = self.token_id(token, tokenizer=tokenizer)
         if by == "value":
             convention = convention or self.conventions[-1]
-            frame = self._table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id", "score"])
-            hits = frame[(frame.token_id.to_numpy() == token_id) & (frame.kind.to_numpy() == "promote")
-                         & (frame.convention.to_numpy() == convention)]
+            if convention not in self.conventions:
+                raise KvmemError(f"convention {convention!r} is not in this atlas; it has {', '.join(self.conventions)}")
+            hits = self._rows_for_token("values", token_id, convention=convention)
             out = hits.sort_values(["score", "layer", "neuron"], ascending=[False, True, True]).head(k)
-            return out[["layer", "neuron", "rank", "score", "convention"]].reset_index(drop=True)
+            return out.assign(convention=convention)[["layer", "neuron", "rank", "score", "convention"]].reset_index(drop=True)
         if by == "trigger":
-            frame = self._table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
-            hits = frame[(frame.next_token_id.to_numpy() == token_id) & (frame.kind.to_numpy() == "top")]
+            hits = self._rows_for_token("triggers", token_id)
             grouped = hits.groupby(["layer", "neuron"], as_index=False).agg(
                 triggers=("activation", "size"), max_activation=("activation", "max"))
             out = grouped.sort_values(["triggers", "max_activation"], ascending=False).head(k)
             return out.reset_index(drop=True)
         raise KvmemError(f"unknown ranking by={by!r}; choose 'value' or 'trigger'")
+
+    def _rows_for_token(self, table: str, token_id: int, convention: str | None = None) -> pd.DataFrame:
+        """Rows of promoted value tokens (one convention) or top triggers' next tokens equal to token_id.
+
+        Built once per table: the relevant rows sorted by token id, then each query is a binary search.
+        """
+        key = f"_index:{table}:{convention}"
+        if key not in self._cache:
+            if table == "values":
+                frame = self._table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id", "score"])
+                keep = (frame.kind.to_numpy() == "promote") & (frame.convention.to_numpy() == convention)
+                frame, token = frame[keep][["layer", "neuron", "rank", "score"]], frame.token_id.to_numpy()[keep]
+            else:
+                frame = self._table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
+                keep = frame.kind.to_numpy() == "top"
+                frame, token = frame[keep][["layer", "neuron", "activation"]], frame.next_token_id.to_numpy()[keep]
+            order = np.argsort(token, kind="stable")
+            self._cache[key] = (token[order], frame.iloc[order].reset_index(drop=True))
+        tokens, frame = self._cache[key]
+        lo, hi = np.searchsorted(tokens, token_id), np.searchsorted(tokens, token_id, side="right")
+        return frame.iloc[lo:hi]
 
     def token_id(self, token: str | int, *, tokenizer=None) -> int:
         """The id of a one-token string, from the atlas's own token strings (or a tokenizer)."""
