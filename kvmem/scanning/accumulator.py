@@ -121,12 +121,12 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor | None =
         state.bottom_values, state.bottom_codes, bottom_values, bottom_codes, largest=False)
 
     state.count += acts.shape[0]
-    state.total += acts.sum(dim=0, dtype=torch.float64)
-    state.total_sq += (acts * acts).sum(dim=0, dtype=torch.float64)
-    state.positive += (acts > 0).sum(dim=0, dtype=torch.int64)
+    state.total += acts_t.sum(dim=1, dtype=torch.float64)
+    state.total_sq += (acts_t * acts_t).sum(dim=1, dtype=torch.float64)
+    state.positive += (acts_t > 0).sum(dim=1, dtype=torch.int64)
     if neuron_offsets is None:
         neuron_offsets = torch.arange(acts.shape[1], dtype=torch.int32, device=acts.device) * HIST_BINS
-    histogram_update(state.histogram, acts, neuron_offsets)
+    histogram_update(state.histogram, acts_t, neuron_offsets)
 
     if state.doc_top_values is not None:
         _update_per_document(state, acts, codes, docs)

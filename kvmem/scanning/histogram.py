@@ -44,12 +44,13 @@ def bin_index(values):
     return torch.where(bits < 0, (N_MAGNITUDE - 1) - code, N_MAGNITUDE + code)
 
 
-def histogram_update(counts, values, neuron_offsets) -> None:
-    """counts [d_ff, HIST_BINS] int64 += histogram of values [N, d_ff] (float32), per neuron."""
+def histogram_update(counts, values_t, neuron_offsets) -> None:
+    """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values_t [d_ff, N] (float32, neuron-major:
+    each neuron's indices are then adjacent, which keeps the bincount's writes local)."""
     import torch
 
-    index = bin_index(values)
-    index.add_(neuron_offsets)  # neuron_offsets [d_ff] = arange(d_ff) * HIST_BINS, int32
+    index = bin_index(values_t)
+    index.add_(neuron_offsets.view(-1, 1))  # neuron_offsets [d_ff] = arange(d_ff) * HIST_BINS, int32
     counts.view(-1).add_(torch.bincount(index.view(-1), minlength=counts.numel()))
 
 

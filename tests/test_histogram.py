@@ -1,0 +1,39 @@
+"""The fixed histogram bins: the float-bit binning equals the documented edges, value by value."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvmem.scanning.histogram import HIST_BINS, MAGNITUDE_EDGES, bin_edges, bin_index, histogram_update, reference_bin
+
+
+def test_edges():
+    edges = bin_edges()
+    assert len(edges) == HIST_BINS + 1 == 61 and edges[0] == -np.inf and edges[-1] == np.inf
+    assert edges[HIST_BINS // 2] == 0.0 and MAGNITUDE_EDGES[0] == 2**-7 and MAGNITUDE_EDGES[-1] == 2**7
+    assert all(a < b for a, b in zip(edges, edges[1:]))
+
+
+def test_bits_match_reference_everywhere():
+    special = [0.0, -0.0, 1e-45, -1e-45, 2**-7, np.nextafter(2**-7, 0), 1.5, np.nextafter(1.5, 0), -1.5, 96.0,
+               128.0, np.nextafter(128.0, 0), 1e30, -1e30, float("inf"), float("-inf")]
+    values = torch.cat([torch.tensor(special, dtype=torch.float32), torch.randn(20_000) * 8,
+                        torch.tensor(MAGNITUDE_EDGES, dtype=torch.float32), -torch.tensor(MAGNITUDE_EDGES)])
+    assert bin_index(values).tolist() == [reference_bin(float(v)) for v in values]
+    # each finite value lies inside its bin's documented edges (negative side mirrored)
+    edges = bin_edges()
+    for v, b in zip(values.tolist(), bin_index(values).tolist()):
+        if not np.signbit(v):
+            assert edges[b] <= v < edges[b + 1] or (v == np.inf and b == HIST_BINS - 1)
+        else:
+            assert edges[b] < v <= edges[b + 1] or (v == -np.inf and b == 0)
+
+
+def test_histogram_update_counts_per_neuron():
+    values = torch.randn(3, 500) * 4  # [d_ff, N]
+    counts = torch.zeros(3, HIST_BINS, dtype=torch.int64)
+    histogram_update(counts, values, torch.arange(3, dtype=torch.int32) * HIST_BINS)
+    for neuron in range(3):
+        expected = np.bincount([reference_bin(float(v)) for v in values[neuron]], minlength=HIST_BINS)
+        assert counts[neuron].tolist() == expected.tolist()
