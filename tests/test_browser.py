@@ -10,11 +10,11 @@ import os
 import re
 import shutil
 import subprocess
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
+from html_dom import Elements as Dom
 
 import kvmem
 from kvmem.report import export_many
@@ -41,18 +41,6 @@ def console(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
 
 
-class Dom(HTMLParser):
-    def __init__(self, text: str):
-        super().__init__(convert_charrefs=True)
-        self.tags: list[tuple[str, dict]] = []
-        self.text: list[str] = []
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-
-    def handle_data(self, data):
-        self.text.append(data)
 
 
 @pytest.fixture(scope="module")

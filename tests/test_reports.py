@@ -6,11 +6,11 @@ import base64
 import json
 import subprocess
 import sys
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from html_dom import Elements
 
 import kvmem
 from kvmem.atlas import Atlas
@@ -33,20 +33,6 @@ REPORT_TAGS = {"html", "head", "meta", "title", "style", "body", "main", "footer
 HOSTILE = "<script>alert(1)</script>\"><img src=x onerror=alert(1)> \u202e\u200b\ud800 *b* `c` | [l](u) $x$"
 
 
-class Elements(HTMLParser):
-    """Every start tag with its attributes, and all text, of an HTML document."""
-
-    def __init__(self, text: str):
-        super().__init__(convert_charrefs=True)
-        self.tags: list[tuple[str, dict]] = []
-        self.text: list[str] = []
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-
-    def handle_data(self, data):
-        self.text.append(data)
 
 
 def assert_safe_html(text: str, *, scripts: int = 0) -> Elements:
