@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from kvmem.errors import KvmemError
-from kvmem.schema import FORMAT_VERSION, TABLES, TRIGGER_KINDS
+from kvmem.schema import READABLE_VERSIONS, TABLES, TRIGGER_KINDS
 
 __all__ = ["open_atlas", "Atlas", "NeuronRecord"]
 
@@ -97,9 +97,10 @@ class Atlas:
             self.manifest = json.loads(manifest.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise KvmemError(f"{manifest} is corrupt ({error}); scan again") from None
-        if self.manifest.get("format_version") != FORMAT_VERSION:
+        if self.manifest.get("format_version") not in READABLE_VERSIONS:
             raise KvmemError(f"{self.path} has atlas format {self.manifest.get('format_version')}, this kvmem reads "
-                             f"format {FORMAT_VERSION}; rescan with this version")
+                             f"formats {', '.join(map(str, READABLE_VERSIONS))}; rescan it with this kvmem version "
+                             f"(kvmem scan with the settings in its manifest.json)")
         self._files: dict[str, pq.ParquetFile] = {}
         self._groups: dict[str, list[tuple[int, int, int]]] = {}
         self._cache: dict[str, pd.DataFrame] = {}

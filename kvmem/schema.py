@@ -15,15 +15,17 @@ layer and hold at most ``ROW_GROUP_NEURONS`` neurons, so a selection reads one r
 
 from __future__ import annotations
 
-__all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS", "VALUE_KINDS",
-           "CONVENTIONS", "KEY_VECTORS"]
+__all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS", "CONVENTIONS", "KEY_VECTORS",
+           "arrow_schema", "conform"]
 
-FORMAT_VERSION = 1
+# 2: manifest records the batching plan (block_documents, batch_size, max_tokens) and timing per
+#    phase; a shard atlas keeps its mergeable state in state/. Tables are unchanged from 1.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 ROW_GROUP_NEURONS = 64
 TABLES = ("neurons", "triggers", "values", "keys", "histograms")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
-VALUE_KINDS = ("promote", "suppress")
 CONVENTIONS = {
     "raw": "score = W_U^T v (LM-Debugger's reading: no final norm)",
     "final_norm": "score = W_U^T (gain * centre(v)) for LayerNorm, W_U^T (gain * v) for RMSNorm: the final "
@@ -95,3 +97,42 @@ COLUMNS: dict[str, dict[str, str]] = {
         "counts": "list<int64> of length HIST_BINS, counts per bin (edges in manifest['histogram']['edges'])",
     },
 }
+
+
+def _arrow_type(description: str):
+    """The Arrow type a column description starts with (``int16``, ``list<string>``, ...)."""
+    import pyarrow as pa
+
+    from kvmem.scanning.histogram import HIST_BINS
+
+    head = description.split(",")[0].split(":")[0].split(" ")[0].strip()
+    scalars = {"int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
+               "float64": pa.float64(), "string": pa.string()}
+    if head in scalars:
+        return scalars[head]
+    if head == "list<int64>":  # the histogram counts, fixed length
+        return pa.list_(pa.int64(), HIST_BINS)
+    if head.startswith("list<") and head.endswith(">"):
+        return pa.large_list(scalars[head[5:-1]])
+    raise ValueError(f"no Arrow type for column description {description!r}")
+
+
+def arrow_schema(table: str):
+    """The Arrow schema of an atlas table, built from :data:`COLUMNS` (the one definition)."""
+    import pyarrow as pa
+
+    return pa.schema([(name, _arrow_type(text)) for name, text in COLUMNS[table].items()])
+
+
+def conform(table, name: str):
+    """``table`` cast to the schema of atlas table ``name``; a missing, extra or mistyped column raises."""
+    schema = arrow_schema(name)
+    if table.column_names != schema.names:
+        missing = [c for c in schema.names if c not in table.column_names]
+        extra = [c for c in table.column_names if c not in schema.names]
+        raise ValueError(f"table {name!r} drifted from kvmem.schema.COLUMNS: missing {missing}, extra {extra}"
+                         f"{'' if missing or extra else ', columns out of order'}")
+    for field, expected in zip(table.schema, schema):
+        if field.type != expected.type:
+            raise ValueError(f"table {name!r}: column {field.name!r} is {field.type}, kvmem.schema says {expected.type}")
+    return table.cast(schema)

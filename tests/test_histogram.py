@@ -33,7 +33,19 @@ def test_bits_match_reference_everywhere():
 def test_histogram_update_counts_per_neuron():
     values = torch.randn(3, 500) * 4  # [d_ff, N]
     counts = torch.zeros(3, HIST_BINS, dtype=torch.int64)
-    histogram_update(counts, values, torch.arange(3, dtype=torch.int32) * HIST_BINS)
+    histogram_update(counts, values.T.contiguous())
     for neuron in range(3):
         expected = np.bincount([reference_bin(float(v)) for v in values[neuron]], minlength=HIST_BINS)
         assert counts[neuron].tolist() == expected.tolist()
+
+
+def test_histogram_update_covers_every_raw_code():
+    """Every float32 sign / exponent / first-mantissa-bit pattern lands in the reference bin."""
+    code = torch.arange(1024, dtype=torch.int64)
+    bits = ((code >> 9) << 31) | ((code & 0x1FF) << 22) | 0x12345  # any lower mantissa bits
+    values = torch.tensor(bits.tolist(), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    values = values[torch.isfinite(values)]
+    counts = torch.zeros(len(values), HIST_BINS, dtype=torch.int64)
+    histogram_update(counts, values.view(1, -1))  # one position, neuron i holds value i
+    assert counts.sum(1).tolist() == [1] * len(values)
+    assert counts.argmax(1).tolist() == [reference_bin(float(v)) for v in values]

@@ -181,55 +181,150 @@ def test_queries(gpt2_model, gpt2_atlas):
         gpt2_atlas.top_neurons(token=" Parisian", tokenizer=gpt2_model.tokenizer)
 
 
+SHARDABLE = dict(top_k=K, window=WINDOW, batch_size=3, per_document=True, top_n=5, block_documents=1, progress=False)
+
+
+def assert_same_atlas(a, b):
+    """Every table byte-identical and the manifests equal but for timing."""
+    for table in ("neurons", "triggers", "values", "keys", "histograms"):
+        assert (a.path / f"{table}.parquet").read_bytes() == (b.path / f"{table}.parquet").read_bytes(), table
+    ma, mb = (json.loads((x.path / "manifest.json").read_text()) for x in (a, b))
+    ma.pop("timing"), mb.pop("timing")
+    assert ma == mb
+
+
 def test_shards_merge_to_single_scan(gpt2_model, tmp_path):
-    settings = dict(top_k=K, window=WINDOW, batch_size=3, per_document=True, top_n=5, context_activations=False,
-                    progress=False)
-    whole = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "whole", **settings)
-    shards = [kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / f"s{i}", shard=(i, 3), **settings) for i in range(3)]
-    merged = kvmem.merge(shards, out=tmp_path / "merged")
-    a, b = whole.table("triggers"), merged.table("triggers")
-    assert a[["layer", "neuron", "kind", "rank", "doc", "pos", "token_id"]].equals(
-        b[["layer", "neuron", "kind", "rank", "doc", "pos", "token_id"]])
-    np.testing.assert_allclose(a.activation, b.activation, rtol=1e-5, atol=1e-6)
-    assert (a.context == b.context).all()
-    na, nb = whole.neurons, merged.neurons
-    assert (na["count"] == nb["count"]).all() and (na["frac_positive"] == nb["frac_positive"]).all()
-    for column in ("mean", "std", "min", "max"):
-        np.testing.assert_allclose(na[column], nb[column], rtol=1e-5, atol=1e-7)
-    assert whole.table("histograms").counts.map(list).tolist() == merged.table("histograms").counts.map(list).tolist()
-    assert merged.manifest["tokens"] == whole.manifest["tokens"]
-    with pytest.raises(kvmem.KvmemError, match="the same shard appears twice"):
-        kvmem.merge([shards[0], shards[0]], out=tmp_path / "twice")
+    whole = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "whole", **SHARDABLE)
+    shards = [kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / f"s{i}", shard=(i, 3), **SHARDABLE) for i in range(3)]
+    assert sum(s.manifest["tokens"] for s in shards) == whole.manifest["tokens"]
+    merged = kvmem.merge(list(reversed(shards)), out=tmp_path / "merged", model=gpt2_model)
+    assert_same_atlas(whole, merged)
+    assert merged.manifest["corpus"]["sha256_chain"] == whole.manifest["corpus"]["sha256_chain"]
+    with pytest.raises(kvmem.KvmemError, match=r"shard\(s\) 0/3 given twice"):
+        kvmem.merge([shards[0], shards[0], shards[1]], out=tmp_path / "twice", model=gpt2_model)
+    with pytest.raises(kvmem.KvmemError, match=r"incomplete set of shards: missing 2/3"):
+        kvmem.merge(shards[:2], out=tmp_path / "two", model=gpt2_model)
+    other = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "o0", shard=(0, 3), **{**SHARDABLE, "top_k": 3})
+    with pytest.raises(kvmem.KvmemError, match=r"their scan differ"):
+        kvmem.merge([other, shards[1], shards[2]], out=tmp_path / "mixed", model=gpt2_model)
+    with pytest.raises(kvmem.KvmemError, match=r"is not a shard atlas"):
+        kvmem.merge([whole, shards[1]], out=tmp_path / "bad", model=gpt2_model)
 
 
-def test_resume_after_interruption(gpt2_model, tmp_path, monkeypatch):
+def test_repeated_text_ties_break_by_lowest_position(gpt2_model, tmp_path):
+    """Identical lines give identical coefficients; the lowest (doc, pos) wins, in shards as in one scan."""
+    docs = ["ROMEO. Speak again.", "JULIET. Ay me!", "ROMEO. Speak again.", "JULIET. Ay me!"] * 3
+    settings = {**SHARDABLE, "per_document": False, "top_k": 2}
+    whole = kvmem.scan(gpt2_model, docs, out=tmp_path / "whole", **settings)
+    shards = [kvmem.scan(gpt2_model, docs, out=tmp_path / f"s{i}", shard=(i, 3), **settings) for i in range(3)]
+    assert_same_atlas(whole, kvmem.merge(shards, out=tmp_path / "merged", model=gpt2_model))
+    top = whole.triggers(0, 0, kind="top")
+    assert top.doc.tolist() == sorted(top.doc.tolist()) and top.doc.iloc[0] in (0, 1)
+
+
+def test_resume_after_sigkill(gpt2_dir, gpt2_model, tmp_path):
+    """A scan killed for real (SIGKILL) resumes from its checkpoint without redoing finished batches."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     from kvmem.scanning import runner
 
-    settings = dict(top_k=K, window=WINDOW, batch_size=2, per_document=True, top_n=5, context_activations=False,
-                    progress=False, checkpoint_every=20)
-    whole = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "whole", **settings)
-    real = runner._run_batch
-    calls = {"n": 0}
-
-    def dying(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt  # a kill in the middle of the scan
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "_run_batch", dying)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 4))
+    settings = dict(top_k=K, window=WINDOW, batch_size=2, per_document=True, top_n=5, block_documents=2,
+                    checkpoint_every=10)
     out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
-        kvmem.scan(gpt2_model, SHORT_DOCS, out=out, **settings)
-    assert not out.exists() and (tmp_path / "resumed.checkpoint" / "state.pt").exists()
-    monkeypatch.setattr(runner, "_run_batch", real)
-    with pytest.raises(kvmem.KvmemError, match="cannot resume: these settings differ from the checkpoint's: top_k"):
-        kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, **{**settings, "top_k": 3})
-    resumed = kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, **settings)
-    for table in ("neurons", "triggers", "histograms"):
-        assert resumed.table(table).drop(columns=[], errors="ignore").equals(whole.table(table)), table
-    assert resumed.manifest["corpus"]["sha256_chain"] == whole.manifest["corpus"]["sha256_chain"]
+    child = f"""
+import time, kvmem
+from kvmem.scanning import runner
+real, calls = runner._run_batch, [0]
+def slow(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] > 12:
+        time.sleep(600)  # stuck: the parent kills us here
+    return real(*args, **kwargs)
+runner._run_batch = slow
+kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r}, progress=False, **{settings!r})
+"""
+    process = subprocess.Popen([sys.executable, "-c", child])
+    state_file = tmp_path / "resumed.checkpoint" / "state.json"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and process.poll() is None:
+            if state_file.exists() and json.loads(state_file.read_text())["batches"] >= 6:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, "the child ended before it could be killed"
+        time.sleep(2)  # let it reach the stuck batch
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == -signal.SIGKILL and not out.exists()
+    saved = json.loads(state_file.read_text())
+    done, blocks_done = saved["batches"], saved["position"]["blocks_done"]
+
+    with pytest.raises(kvmem.KvmemError, match="cannot resume from .*: these settings differ from the checkpoint's: top_k"):
+        kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False, **{**settings, "top_k": 3})
+    real, computed = runner._run_batch, []
+    try:
+        runner._run_batch = lambda model, batch, *a, **kw: (computed.append(batch), real(model, batch, *a, **kw))[1]
+        resumed = kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False, **settings)
+    finally:
+        runner._run_batch = real
+    whole = kvmem.scan(gpt2_model, str(corpus), out=tmp_path / "whole", progress=False, **settings)
+    # the resumed run computed exactly the batches the checkpoint lacked, none of the finished blocks
+    assert done >= 6 and len(computed) + done == whole.manifest["timing"]["batches"]
+    assert min(batch.block for batch in computed) >= blocks_done
+    assert_same_atlas(whole, resumed)
     assert not (tmp_path / "resumed.checkpoint").exists()
+
+
+def test_checkpoint_with_pickle_payload_is_refused(gpt2_model, tmp_path):
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    out = tmp_path / "atlas"
+    checkpoint = tmp_path / "atlas.checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "state.safetensors").write_bytes(pickle.dumps(Payload()))
+    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 1, "generation": "x"}))
+    with pytest.raises(kvmem.KvmemError) as error:
+        kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, checkpoint_every=5, progress=False)
+    assert "is not a safetensors file" in str(error.value) and "\n" not in str(error.value)
+    (checkpoint / "state.safetensors").unlink()
+    (checkpoint / "state.json").unlink()
+    (checkpoint / "state.pt").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(kvmem.KvmemError, match="old pickle checkpoint state.pt is never loaded"):
+        kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, checkpoint_every=5, progress=False)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_torchrun_two_processes_equal_one(gpt2_dir, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo) writes the atlas one process writes, byte for byte."""
+    import os
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 2))
+    args = ["-m", "kvmem", "scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--top-k", str(K),
+            "--window", str(WINDOW), "--batch-size", "3", "--per-document", "--top-n", "5", "--block-documents", "1",
+            "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same per-batch arithmetic in every process
+    subprocess.run([sys.executable, *args, "--out", str(tmp_path / "one")], env=env, check=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *args, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    one, two = kvmem.open(tmp_path / "one"), kvmem.open(tmp_path / "two")
+    assert_same_atlas(one, two)
+    assert two.manifest["timing"]["world_size"] == 2 and one.manifest["timing"]["world_size"] == 1
 
 
 def test_max_tokens_and_layers(gpt2_model, tmp_path):

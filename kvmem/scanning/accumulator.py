@@ -1,215 +1,320 @@
-"""Streaming, mergeable per-neuron state: top-k / bottom-k triggers, moments, histograms.
+"""Streaming, mergeable per-neuron state: top-k / bottom-k triggers with their context
+coefficients, exact moments and histograms.
 
-Memory is O(layers · d_ff · top_k); no tensor of shape (all tokens × d_ff) is ever held.
-Positions are packed into one int64 "code" = doc << 32 | pos (doc = index of the document
-in the corpus stream, pos = token position in the document); -1 marks an empty slot.
+Memory is O(layers · d_ff · top_k · context); no tensor of shape (all tokens × d_ff) is ever held.
+Positions are int64 codes (``kvmem.plan.pack``: doc << 32 | pos); -1 marks an empty slot.
 
-Ties: among equal coefficients the kept set is whichever torch.topk returns; the final
-order is (coefficient, then code ascending), see :func:`ordered`.
+One rule orders kept triggers everywhere: most extreme coefficient first, and among equal
+coefficients the lowest code (earliest (doc, pos)) first. The streaming update relies on codes
+increasing along a process's stream; :func:`merge_states` sorts fully and needs no such order.
+
+Sums are kept as double-double (``hi + lo``) so that merging the states of several processes gives
+the same float64 totals, to the last bit, as one process adding the same batches in order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
 from kvmem.scanning.histogram import HIST_BINS, histogram_update
 
-__all__ = ["LayerState", "new_layer_state", "update", "merge_states", "ordered", "pack", "unpack"]
+__all__ = ["Side", "LayerState", "new_layer_state", "update", "merge_states", "close_open_document", "EMPTY",
+           "ContextFn"]
 
 EMPTY = -1
 
+# (flat row indices [C], neuron indices [C]) -> coefficients of that neuron around each row [C, width]
+ContextFn = Callable[[Tensor, Tensor], Tensor]
 
-def pack(doc: Tensor, pos: Tensor) -> Tensor:
-    return (doc.to(torch.int64) << 32) | pos.to(torch.int64)
+
+@dataclass
+class Side:
+    """The k most extreme coefficients of each neuron on one side, sorted (rank 0 = most extreme).
+
+    values [k, F] float32 (∓inf where empty); codes [k, F] int64 (-1 where empty);
+    context [k, F, C] float32: the neuron's coefficients at the C context tokens around the
+    trigger (NaN outside the window the model read).
+    """
+
+    values: Tensor
+    codes: Tensor
+    context: Tensor
+    largest: bool
+
+    @classmethod
+    def empty(cls, k: int, d_ff: int, width: int, *, largest: bool, device) -> Side:
+        fill = float("-inf") if largest else float("inf")
+        return cls(torch.full((k, d_ff), fill, dtype=torch.float32, device=device),
+                   torch.full((k, d_ff), EMPTY, dtype=torch.int64, device=device),
+                   torch.full((k, d_ff, width), float("nan"), dtype=torch.float32, device=device), largest)
+
+    def threshold(self) -> Tensor:
+        """The value a new coefficient must beat (strictly) to enter: the k-th kept one [F]."""
+        return self.values[-1]
+
+    def insert(self, values: Tensor, codes: Tensor, context: Tensor, columns: Tensor | None = None) -> None:
+        """Fold candidates in: values, codes [c, U], context [c, U, C] for neurons ``columns`` [U]
+        (None = all). Candidates must have higher codes than every kept entry, and be in code
+        order down each column: a stable sort then realises the tie rule."""
+        k = self.values.shape[0]
+        if columns is None:
+            old_v, old_c, old_x = self.values, self.codes, self.context
+        else:
+            old_v, old_c, old_x = self.values[:, columns], self.codes[:, columns], self.context[:, columns]
+        all_v = torch.cat([old_v, values])
+        order = torch.argsort(all_v, dim=0, descending=self.largest, stable=True)[:k]  # [k, U]
+        new_v = all_v.gather(0, order)
+        new_c = torch.cat([old_c, codes]).gather(0, order)
+        all_x = torch.cat([old_x, context])
+        new_x = all_x.gather(0, order[:, :, None].expand(-1, -1, all_x.shape[2]))
+        if columns is None:
+            self.values, self.codes, self.context = new_v, new_c, new_x
+        else:
+            self.values[:, columns], self.codes[:, columns], self.context[:, columns] = new_v, new_c, new_x
 
 
-def unpack(code: Tensor) -> tuple[Tensor, Tensor]:
-    return code >> 32, code & 0xFFFFFFFF
+def _sort_full(values: Tensor, codes: Tensor, context: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Keep the k first of each column under (value, then code ascending); empties last. [m, F] -> [k, F]."""
+    sort_codes = torch.where(codes < 0, torch.iinfo(torch.int64).max, codes)
+    by_code = torch.argsort(sort_codes, dim=0, stable=True)
+    values, codes = values.gather(0, by_code), codes.gather(0, by_code)
+    context = context.gather(0, by_code[:, :, None].expand(-1, -1, context.shape[2]))
+    by_value = torch.argsort(values, dim=0, descending=largest, stable=True)[:k]
+    return (values.gather(0, by_value), codes.gather(0, by_value),
+            context.gather(0, by_value[:, :, None].expand(-1, -1, context.shape[2])))
+
+
+def _merge_sides(a: Side, b: Side) -> Side:
+    k = a.values.shape[0]
+    v, c, x = _sort_full(torch.cat([a.values, b.values]), torch.cat([a.codes, b.codes]),
+                         torch.cat([a.context, b.context]), k, a.largest)
+    return Side(v, c, x, a.largest)
 
 
 @dataclass
 class LayerState:
-    """Running state of one layer. Shapes: k = top_k, F = d_ff, B = HIST_BINS."""
+    """Running state of one layer. F = d_ff, B = HIST_BINS.
 
-    top_values: Tensor  # [k, F] float32, -inf where empty
-    top_codes: Tensor  # [k, F] int64
-    bottom_values: Tensor  # [k, F] float32, +inf where empty
-    bottom_codes: Tensor  # [k, F] int64
-    count: int  # positions seen (the same for every neuron)
-    total: Tensor  # [F] float64, Σ m
-    total_sq: Tensor  # [F] float64, Σ m²
-    positive: Tensor  # [F] int64, #{m > 0}
-    histogram: Tensor  # [F, B] int64
-    # one trigger per document (None unless per_document)
-    doc_top_values: Tensor | None = None  # [k, F]
-    doc_top_codes: Tensor | None = None
-    doc_bottom_values: Tensor | None = None
-    doc_bottom_codes: Tensor | None = None
-    # the running best of the document still being read (it may continue in the next batch)
+    ``count`` positions seen (the same for every neuron); ``total``/``total_sq`` [2, F] float64
+    double-double sums of m and m² (row 0 high part, row 1 low part); ``positive`` [F] int64
+    #{m > 0}; ``histogram`` [F, B] int64. ``doc_top``/``doc_bottom``: the best position of each
+    document (only with per_document), with the still-open document's running best in ``open_*``.
+    """
+
+    top: Side
+    bottom: Side
+    count: int
+    total: Tensor
+    total_sq: Tensor
+    positive: Tensor
+    histogram: Tensor
+    doc_top: Side | None = None
+    doc_bottom: Side | None = None
     open_doc: int = EMPTY
-    open_top_values: Tensor | None = None  # [F]
-    open_top_codes: Tensor | None = None
-    open_bottom_values: Tensor | None = None
-    open_bottom_codes: Tensor | None = None
+    open_top: Side | None = None  # k = 1
+    open_bottom: Side | None = None
 
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
+    def sides(self) -> dict[str, Side]:
+        """Kind name (as in the triggers table) -> side, for the kinds this state keeps."""
+        out = {"top": self.top, "bottom": self.bottom}
+        if self.doc_top is not None:
+            out.update(top_doc=self.doc_top, bottom_doc=self.doc_bottom)
+        return out
+
+    def sums(self) -> tuple[Tensor, Tensor]:
+        """(Σm, Σm²) [F] float64."""
+        return self.total[0] + self.total[1], self.total_sq[0] + self.total_sq[1]
+
+    # ---- serialisation: tensors + plain JSON (no pickle) ----
+    def to_tensors(self, prefix: str) -> tuple[dict[str, Tensor], dict]:
+        tensors: dict[str, Tensor] = {}
+        for name in ("total", "total_sq", "positive", "histogram"):
+            tensors[f"{prefix}.{name}"] = getattr(self, name).contiguous()
+        for field_name in ("top", "bottom", "doc_top", "doc_bottom", "open_top", "open_bottom"):
+            side = getattr(self, field_name)
+            if side is not None:
+                for part in ("values", "codes", "context"):
+                    tensors[f"{prefix}.{field_name}.{part}"] = getattr(side, part).contiguous()
+        meta = {"count": self.count, "open_doc": self.open_doc,
+                "sides": [f.name for f in fields(self) if isinstance(getattr(self, f.name), Side)]}
+        return tensors, meta
 
     @classmethod
-    def from_dict(cls, data: dict) -> LayerState:
-        return cls(**data)
+    def from_tensors(cls, prefix: str, tensors: dict[str, Tensor], meta: dict) -> LayerState:
+        sides = {name: Side(tensors[f"{prefix}.{name}.values"], tensors[f"{prefix}.{name}.codes"],
+                            tensors[f"{prefix}.{name}.context"], largest=name in ("top", "doc_top", "open_top"))
+                 for name in meta["sides"]}
+        return cls(**sides, count=int(meta["count"]), open_doc=int(meta["open_doc"]),
+                   **{name: tensors[f"{prefix}.{name}"] for name in ("total", "total_sq", "positive", "histogram")})
 
 
-def new_layer_state(d_ff: int, top_k: int, *, per_document: bool, device: str | torch.device = "cpu") -> LayerState:
-    def filled(value: float) -> Tensor:
-        return torch.full((top_k, d_ff), value, dtype=torch.float32, device=device)
-
-    def codes(rows: int = top_k) -> Tensor:
-        return torch.full((rows, d_ff), EMPTY, dtype=torch.int64, device=device)
+def new_layer_state(d_ff: int, top_k: int, *, per_document: bool, context_width: int,
+                    device: str | torch.device = "cpu") -> LayerState:
+    def side(largest: bool, k: int = top_k) -> Side:
+        return Side.empty(k, d_ff, context_width, largest=largest, device=device)
 
     state = LayerState(
-        top_values=filled(float("-inf")), top_codes=codes(),
-        bottom_values=filled(float("inf")), bottom_codes=codes(),
-        count=0,
-        total=torch.zeros(d_ff, dtype=torch.float64, device=device),
-        total_sq=torch.zeros(d_ff, dtype=torch.float64, device=device),
+        top=side(True), bottom=side(False), count=0,
+        total=torch.zeros(2, d_ff, dtype=torch.float64, device=device),
+        total_sq=torch.zeros(2, d_ff, dtype=torch.float64, device=device),
         positive=torch.zeros(d_ff, dtype=torch.int64, device=device),
         histogram=torch.zeros(d_ff, HIST_BINS, dtype=torch.int64, device=device),
     )
     if per_document:
-        state.doc_top_values, state.doc_top_codes = filled(float("-inf")), codes()
-        state.doc_bottom_values, state.doc_bottom_codes = filled(float("inf")), codes()
+        state.doc_top, state.doc_bottom = side(True), side(False)
     return state
 
 
-def _merge_topk(values: Tensor, codes: Tensor, new_values: Tensor, new_codes: Tensor, *, largest: bool):
-    """Keep the k most extreme of [values; new_values] per column. values [k, F], new [m, F]."""
-    k = values.shape[0]
-    all_values = torch.cat([values, new_values])
-    all_codes = torch.cat([codes, new_codes])
-    kept_values, where = torch.topk(all_values, k, dim=0, largest=largest, sorted=False)
-    return kept_values, torch.gather(all_codes, 0, where)
+def _two_sum_into(acc: Tensor, value: Tensor) -> None:
+    """acc [2, F] (hi, lo) += value [F] float64, error-free (Knuth's TwoSum)."""
+    hi = acc[0] + value
+    bp = hi - acc[0]
+    err = (acc[0] - (hi - bp)) + (value - bp)
+    acc[0] = hi
+    acc[1] += err
 
 
-def _batch_topk(acts_t: Tensor, codes: Tensor, k: int, *, largest: bool) -> tuple[Tensor, Tensor]:
-    """acts_t [F, N] (neuron-major), codes [N] -> values, codes [min(k, N), F]."""
-    k = min(k, acts_t.shape[1])
-    values, where = torch.topk(acts_t, k, dim=1, largest=largest, sorted=False)
-    return values.T, codes[where].T
+def _add_double_double(a: Tensor, b: Tensor) -> Tensor:
+    out = a.clone()
+    _two_sum_into(out, b[0])
+    out[1] += b[1]
+    # renormalise so equal sums have equal representations whatever the order
+    _renormalise(out)
+    return out
 
 
-def update(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor | None = None,
-           neuron_offsets: Tensor | None = None) -> None:
+def _renormalise(acc: Tensor) -> None:
+    hi = acc[0] + acc[1]
+    acc[1] = acc[1] - (hi - acc[0])
+    acc[0] = hi
+
+
+def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *, docs: Tensor | None = None,
+           dense_factor: int = 2) -> None:
     """Fold one batch of coefficients into the state.
 
-    acts [N, F] float32 (only real, scored positions); codes [N] int64 packed (doc, pos);
-    docs [N] int64 document indices, non-decreasing (needed only with per_document);
-    neuron_offsets [F] int32 = arange(F) * HIST_BINS (cached by the caller).
+    acts [N, F] float32, the scored positions in reading order; codes [N] int64, increasing;
+    context_fn gives each candidate's context coefficients; docs [N] document indices
+    (non-decreasing; needed only with per_document).
     """
     if acts.shape[0] == 0:
         return
     acts = acts.float()
-    acts_t = acts.T.contiguous()  # [F, N]: top-k along the contiguous dimension is faster
-    k = state.top_values.shape[0]
-    top_values, top_codes = _batch_topk(acts_t, codes, k, largest=True)
-    state.top_values, state.top_codes = _merge_topk(state.top_values, state.top_codes, top_values, top_codes, largest=True)
-    bottom_values, bottom_codes = _batch_topk(acts_t, codes, k, largest=False)
-    state.bottom_values, state.bottom_codes = _merge_topk(
-        state.bottom_values, state.bottom_codes, bottom_values, bottom_codes, largest=False)
+    for side in (state.top, state.bottom):
+        _stream_side(side, acts, codes, context_fn, dense_factor)
 
     state.count += acts.shape[0]
-    state.total += acts_t.sum(dim=1, dtype=torch.float64)
-    state.total_sq += (acts_t * acts_t).sum(dim=1, dtype=torch.float64)
-    state.positive += (acts_t > 0).sum(dim=1, dtype=torch.int64)
-    if neuron_offsets is None:
-        neuron_offsets = torch.arange(acts.shape[1], dtype=torch.int32, device=acts.device) * HIST_BINS
-    histogram_update(state.histogram, acts_t, neuron_offsets)
+    _two_sum_into(state.total, acts.sum(dim=0, dtype=torch.float64))
+    _two_sum_into(state.total_sq, (acts * acts).sum(dim=0, dtype=torch.float64))
+    _renormalise(state.total)
+    _renormalise(state.total_sq)
+    state.positive += torch.count_nonzero(acts > 0, dim=0)
+    histogram_update(state.histogram, acts)
 
-    if state.doc_top_values is not None:
-        _update_per_document(state, acts, codes, docs)
+    if state.doc_top is not None:
+        _update_per_document(state, acts, codes, docs, context_fn)
 
 
-def _segment_best(acts: Tensor, codes: Tensor, segment: Tensor, n_segments: int, *, largest: bool):
-    """Per segment (document) and neuron: the most extreme value and its earliest code. -> [S, F] each."""
+def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, dense_factor: int) -> None:
+    """Insert the positions that beat the side's current k-th value (sparse: few do after a while)."""
+    k, d_ff = side.values.shape
+    threshold = side.threshold()
+    mask = acts > threshold if side.largest else acts < threshold  # [N, F]
+    if acts.shape[0] > k and int(mask.count_nonzero()) > dense_factor * k * d_ff:  # early: this batch's k best
+        kth = torch.topk(acts, k, dim=0, largest=side.largest, sorted=False).values
+        mask &= (acts >= kth.min(0).values) if side.largest else (acts <= kth.max(0).values)
+    neurons, rows = mask.T.nonzero(as_tuple=True)  # by neuron, then row: so by code within each neuron
+    if rows.numel() == 0:
+        return
+    counts = torch.bincount(neurons, minlength=d_ff)
+    columns = counts.nonzero().squeeze(1)  # [U] neurons with candidates
+    column_of = torch.full((d_ff,), -1, dtype=torch.int64, device=acts.device)
+    column_of[columns] = torch.arange(columns.numel(), device=acts.device)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(rows.numel(), device=acts.device) - starts[neurons]
+    depth, width = int(counts.max()), side.context.shape[2]
+    col = column_of[neurons]
+    fill = float("-inf") if side.largest else float("inf")
+    values = torch.full((depth, columns.numel()), fill, dtype=torch.float32, device=acts.device)
+    values[rank, col] = acts[rows, neurons]
+    new_codes = torch.full((depth, columns.numel()), EMPTY, dtype=torch.int64, device=acts.device)
+    new_codes[rank, col] = codes[rows]
+    context = torch.full((depth, columns.numel(), width), float("nan"), dtype=torch.float32, device=acts.device)
+    context[rank, col] = context_fn(rows, neurons)
+    side.insert(values, new_codes, context, None if columns.numel() == d_ff else columns)
+
+
+def _segment_best(acts: Tensor, segment: Tensor, n_segments: int, *, largest: bool) -> tuple[Tensor, Tensor]:
+    """Per segment (document) and neuron: the most extreme value and the first row holding it. -> [S, F] each."""
     F = acts.shape[1]
     fill = float("-inf") if largest else float("inf")
     index = segment.view(-1, 1).expand(-1, F)
     best = torch.full((n_segments, F), fill, dtype=acts.dtype, device=acts.device)
     best.scatter_reduce_(0, index, acts, reduce="amax" if largest else "amin", include_self=True)
     is_best = acts == best.gather(0, index)
-    big = torch.iinfo(torch.int64).max
-    candidate = torch.where(is_best, codes.view(-1, 1).expand(-1, F), torch.full_like(index, big))
-    best_codes = torch.full((n_segments, F), big, dtype=torch.int64, device=acts.device)
-    best_codes.scatter_reduce_(0, index, candidate, reduce="amin", include_self=True)
-    return best, best_codes
+    big = acts.shape[0]
+    rows = torch.arange(acts.shape[0], device=acts.device).view(-1, 1).expand(-1, F)
+    candidate = torch.where(is_best, rows, torch.full_like(rows, big))
+    first = torch.full((n_segments, F), big, dtype=torch.int64, device=acts.device)
+    first.scatter_reduce_(0, index, candidate, reduce="amin", include_self=True)
+    return best, first
 
 
-def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor) -> None:
+def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor, context_fn: ContextFn) -> None:
     unique_docs, segment = torch.unique_consecutive(docs, return_inverse=True)
     n = unique_docs.shape[0]
-    tops, top_codes = _segment_best(acts, codes, segment, n, largest=True)
-    bottoms, bottom_codes = _segment_best(acts, codes, segment, n, largest=False)
+    F = acts.shape[1]
+    neurons = torch.arange(F, device=acts.device).expand(n, -1).reshape(-1)
+    found: dict[bool, Side] = {}
+    for largest in (True, False):
+        best, rows = _segment_best(acts, segment, n, largest=largest)
+        context = context_fn(rows.reshape(-1), neurons).view(n, F, -1)
+        found[largest] = Side(best, codes[rows], context, largest)
     first_doc = int(unique_docs[0])
-    if state.open_doc == first_doc:  # the open document continues: fold its running best into segment 0
-        take = state.open_top_values > tops[0]
-        tops[0] = torch.where(take, state.open_top_values, tops[0])
-        top_codes[0] = torch.where(take, state.open_top_codes, top_codes[0])
-        take = state.open_bottom_values < bottoms[0]
-        bottoms[0] = torch.where(take, state.open_bottom_values, bottoms[0])
-        bottom_codes[0] = torch.where(take, state.open_bottom_codes, bottom_codes[0])
+    if state.open_doc == first_doc:  # the open document continues: its earlier best wins ties (lower code)
+        for largest, open_side in ((True, state.open_top), (False, state.open_bottom)):
+            seg = found[largest]
+            merged = Side(seg.values[:1].clone(), seg.codes[:1].clone(), seg.context[:1].clone(), largest)
+            earlier = Side(open_side.values.clone(), open_side.codes.clone(), open_side.context.clone(), largest)
+            earlier.insert(merged.values, merged.codes, merged.context)
+            seg.values[0], seg.codes[0], seg.context[0] = earlier.values[0], earlier.codes[0], earlier.context[0]
     elif state.open_doc != EMPTY:  # the open document ended with the previous batch
         close_open_document(state)
-    # every document but the last is complete
-    if n > 1:
-        state.doc_top_values, state.doc_top_codes = _merge_topk(
-            state.doc_top_values, state.doc_top_codes, tops[:-1], top_codes[:-1], largest=True)
-        state.doc_bottom_values, state.doc_bottom_codes = _merge_topk(
-            state.doc_bottom_values, state.doc_bottom_codes, bottoms[:-1], bottom_codes[:-1], largest=False)
+    if n > 1:  # every document but the last is complete, in code order
+        for largest, side in ((True, state.doc_top), (False, state.doc_bottom)):
+            seg = found[largest]
+            side.insert(seg.values[:-1], seg.codes[:-1], seg.context[:-1])
     state.open_doc = int(unique_docs[-1])
-    state.open_top_values, state.open_top_codes = tops[-1], top_codes[-1]
-    state.open_bottom_values, state.open_bottom_codes = bottoms[-1], bottom_codes[-1]
+    state.open_top = Side(found[True].values[-1:], found[True].codes[-1:], found[True].context[-1:], True)
+    state.open_bottom = Side(found[False].values[-1:], found[False].codes[-1:], found[False].context[-1:], False)
 
 
 def close_open_document(state: LayerState) -> None:
-    """Move the open document's best into the per-document top-k (at the end of a scan)."""
-    if state.doc_top_values is None or state.open_doc == EMPTY:
+    """Move the open document's best into the per-document top-k (at the end of a stream)."""
+    if state.doc_top is None or state.open_doc == EMPTY:
         return
-    state.doc_top_values, state.doc_top_codes = _merge_topk(
-        state.doc_top_values, state.doc_top_codes, state.open_top_values[None], state.open_top_codes[None], largest=True)
-    state.doc_bottom_values, state.doc_bottom_codes = _merge_topk(
-        state.doc_bottom_values, state.doc_bottom_codes, state.open_bottom_values[None],
-        state.open_bottom_codes[None], largest=False)
+    state.doc_top.insert(state.open_top.values, state.open_top.codes, state.open_top.context)
+    state.doc_bottom.insert(state.open_bottom.values, state.open_bottom.codes, state.open_bottom.context)
     state.open_doc = EMPTY
-    state.open_top_values = state.open_top_codes = state.open_bottom_values = state.open_bottom_codes = None
+    state.open_top = state.open_bottom = None
 
 
 def merge_states(a: LayerState, b: LayerState) -> LayerState:
-    """The state one scan over both inputs would have (a and b see disjoint documents)."""
+    """The state one stream over both inputs gives (a and b saw disjoint documents, any order).
+
+    The one merge of kvmem: ranks under torchrun and ``kvmem merge`` of shard atlases both use it.
+    """
     close_open_document(a)
     close_open_document(b)
     out = LayerState(
-        *_merge_topk(a.top_values, a.top_codes, b.top_values, b.top_codes, largest=True),
-        *_merge_topk(a.bottom_values, a.bottom_codes, b.bottom_values, b.bottom_codes, largest=False),
-        count=a.count + b.count,
-        total=a.total + b.total,
-        total_sq=a.total_sq + b.total_sq,
-        positive=a.positive + b.positive,
-        histogram=a.histogram + b.histogram,
+        top=_merge_sides(a.top, b.top), bottom=_merge_sides(a.bottom, b.bottom), count=a.count + b.count,
+        total=_add_double_double(a.total, b.total), total_sq=_add_double_double(a.total_sq, b.total_sq),
+        positive=a.positive + b.positive, histogram=a.histogram + b.histogram,
     )
-    if a.doc_top_values is not None:
-        out.doc_top_values, out.doc_top_codes = _merge_topk(
-            a.doc_top_values, a.doc_top_codes, b.doc_top_values, b.doc_top_codes, largest=True)
-        out.doc_bottom_values, out.doc_bottom_codes = _merge_topk(
-            a.doc_bottom_values, a.doc_bottom_codes, b.doc_bottom_values, b.doc_bottom_codes, largest=False)
+    if a.doc_top is not None:
+        out.doc_top, out.doc_bottom = _merge_sides(a.doc_top, b.doc_top), _merge_sides(a.doc_bottom, b.doc_bottom)
     return out
-
-
-def ordered(values: Tensor, codes: Tensor, *, largest: bool) -> tuple[Tensor, Tensor]:
-    """Sort kept triggers per neuron: most extreme first, ties by code ascending. [k, F] -> [k, F]."""
-    by_code = torch.argsort(codes, dim=0, stable=True)
-    values, codes = values.gather(0, by_code), codes.gather(0, by_code)
-    by_value = torch.argsort(values, dim=0, descending=largest, stable=True)
-    return values.gather(0, by_value), codes.gather(0, by_value)

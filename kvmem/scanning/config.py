@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from kvmem.errors import KvmemError
 from kvmem.schema import CONVENTIONS
@@ -26,8 +26,9 @@ class ScanConfig:
     top_n:            tokens kept per value / key projection, each direction
     conventions:      value projection conventions (see kvmem.schema.CONVENTIONS)
     key_projections:  also project key (and gate) vectors through the input embedding
-    shard:            (i, n): scan documents with index % n == i
-    checkpoint_every: tokens between checkpoints (None = no checkpoints)
+    shard:            (i, n): scan the blocks of documents b with b % n == i (see kvmem.plan)
+    block_documents:  documents per block, the unit that shards and ranks share out
+    checkpoint_every: tokens between checkpoints (None = no checkpoints); taken at block ends
     """
 
     layers: tuple[int, ...] | None = None
@@ -44,8 +45,8 @@ class ScanConfig:
     conventions: tuple[str, ...] = ("raw", "final_norm")
     key_projections: bool = True
     shard: tuple[int, int] = (0, 1)
+    block_documents: int = 64
     checkpoint_every: int | None = None
-    _extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def positive(name: str, value, allow_none: bool = False) -> None:
@@ -60,6 +61,7 @@ class ScanConfig:
         positive("max_tokens", self.max_tokens, allow_none=True)
         positive("window", self.window, allow_none=True)
         positive("checkpoint_every", self.checkpoint_every, allow_none=True)
+        positive("block_documents", self.block_documents)
         for name in ("context_before", "context_after"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -78,7 +80,6 @@ class ScanConfig:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.pop("_extra")
         data["layers"] = list(self.layers) if self.layers is not None else None
         data["conventions"] = list(self.conventions)
         data["shard"] = list(self.shard)
@@ -86,12 +87,17 @@ class ScanConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> ScanConfig:
-        known = {f.name for f in fields(cls)} - {"_extra"}
+        known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         for name in ("layers", "conventions", "shard"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+    @property
+    def context_width(self) -> int:
+        """Context tokens kept around a trigger, the trigger included."""
+        return self.context_before + 1 + self.context_after
 
     # settings that must agree between a checkpoint and its resumption (all but the bookkeeping ones)
     def resume_key(self) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update"]
+__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin"]
 
 _LOW_EXP = -7  # smallest finite edge 2^-7
 _HIGH_EXP = 7  # largest finite edge 2^7
@@ -44,14 +44,42 @@ def bin_index(values):
     return torch.where(bits < 0, (N_MAGNITUDE - 1) - code, N_MAGNITUDE + code)
 
 
-def histogram_update(counts, values_t, neuron_offsets) -> None:
-    """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values_t [d_ff, N] (float32, neuron-major:
-    each neuron's indices are then adjacent, which keeps the bincount's writes local)."""
+_RAW_CODES = 1024  # sign bit, 8 exponent bits and the first mantissa bit of a float32: (bits >> 22) & 0x3FF
+
+
+def _raw_to_bin():
+    """[1024] int64: the bin of every raw code (sign << 9 | exponent << 1 | first mantissa bit)."""
     import torch
 
-    index = bin_index(values_t)
-    index.add_(neuron_offsets.view(-1, 1))  # neuron_offsets [d_ff] = arange(d_ff) * HIST_BINS, int32
-    counts.view(-1).add_(torch.bincount(index.view(-1), minlength=counts.numel()))
+    code = torch.arange(_RAW_CODES, dtype=torch.int32)
+    magnitude = (code & 0x1FF).sub(_CODE_LOW - 1).clamp(0, N_MAGNITUDE - 1)
+    return torch.where(code >= 512, (N_MAGNITUDE - 1) - magnitude, N_MAGNITUDE + magnitude).to(torch.int64)
+
+
+_LUT: dict = {}
+
+
+def histogram_update(counts, values) -> None:
+    """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32.
+
+    One shift and mask give each value's raw code (1024 possible); one bincount over
+    ``code * d_ff + neuron`` (code-major, which keeps its writes local) counts them; a
+    fixed lookup folds the raw codes into the 60 bins. Same bins as :func:`bin_index`.
+    """
+    import torch
+
+    n, d_ff = values.shape
+    device = values.device
+    key = (str(device), d_ff)
+    if key not in _LUT:
+        _LUT[key] = (_raw_to_bin().to(device), torch.arange(d_ff, dtype=torch.int32, device=device))
+    lut, neurons = _LUT[key]
+    raw = (values.contiguous().view(torch.int32) >> 22) & 0x3FF  # [N, d_ff]
+    index = raw.mul_(d_ff).add_(neurons)
+    per_code = torch.bincount(index.view(-1), minlength=_RAW_CODES * d_ff).view(_RAW_CODES, d_ff)
+    folded = torch.zeros(HIST_BINS, d_ff, dtype=torch.int64, device=device)
+    folded.index_add_(0, lut, per_code)
+    counts += folded.T
 
 
 def reference_bin(value: float) -> int:

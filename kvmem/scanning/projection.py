@@ -1,19 +1,32 @@
-"""Project value and key vectors through the vocabulary, in blocks (the full score matrix never exists).
+"""Project value and key vectors through the vocabulary, in blocks (the full score matrix never exists),
+and cache the resulting tables per model: they depend on the weights alone.
 
 For GPT-2 small the values' score matrix would be 36,864 × 50,257 floats (7.4 GB); here at
-most ``block`` rows × vocab are alive at once.
+most ``block`` rows × vocab are alive at once. The tables are written once per (weights
+fingerprint, vocabulary, dtype, device type, layers, conventions, top_n) under
+``$KVMEM_CACHE/projections/`` and copied into every later atlas of that model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
 from kvmem.models import Model
 
-__all__ = ["Projection", "project_rows", "value_vectors", "key_vectors"]
+__all__ = ["Projection", "project_rows", "value_vectors", "key_vectors", "projection_tables",
+           "cached_projection_files"]
+
+_CACHE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -57,3 +70,106 @@ def key_vectors(model: Model, layer: int) -> dict[str, Tensor]:
     if gate is not None:
         vectors["gate"] = gate
     return vectors
+
+
+def projection_tables(model: Model, layers: list[int], config, *, bar=None) -> dict[str, pa.Table]:
+    """The ``values`` and ``keys`` tables (see kvmem.schema.COLUMNS), computed now."""
+    n = min(config.top_n, model.vocab_size)
+    value_parts, key_parts = [], []
+    unembedding, embedding = model.unembedding(), model.embedding().T  # [d_model, vocab] each
+    for layer in layers:
+        for convention in config.conventions:
+            value_parts.append(_rows(layer, project_rows(value_vectors(model, layer, convention), unembedding, n),
+                                     convention))
+        for vector, rows in (key_vectors(model, layer).items() if config.key_projections else ()):
+            key_parts.append(_rows(layer, project_rows(rows, embedding, n), vector))
+        if bar is not None:
+            bar.update()
+    vocab = pa.array(model.vocab_strings, pa.string())
+    return {"values": _table(value_parts, "convention", vocab), "keys": _table(key_parts, "vector", vocab)}
+
+
+def _rows(layer: int, projection: Projection, label: str) -> dict:
+    ids = np.stack([projection.top_ids.numpy(), projection.bottom_ids.numpy()], axis=1)  # [F, 2, n]
+    scores = np.stack([projection.top_scores.numpy(), projection.bottom_scores.numpy()], axis=1)
+    return {"layer": layer, "label": label, "ids": ids, "scores": scores}
+
+
+def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
+    """Rows sorted by (layer, neuron, label, kind, rank)."""
+    from kvmem.schema import arrow_schema
+
+    schema = arrow_schema("values" if label_name == "convention" else "keys")
+    if not parts:  # e.g. key projections switched off: an empty table with the same columns
+        return schema.empty_table()
+    by_layer: dict[int, list[dict]] = {}
+    for part in parts:
+        by_layer.setdefault(part["layer"], []).append(part)
+    columns: dict[str, list] = {}
+    for layer, group in by_layer.items():
+        ids = np.stack([g["ids"] for g in group], axis=1)  # [F, labels, 2, n]
+        scores = np.stack([g["scores"] for g in group], axis=1)
+        d_ff, labels, _, n = ids.shape
+        shape = ids.shape
+        label_index = np.broadcast_to(np.arange(labels)[None, :, None, None], shape).reshape(-1)
+        kind_index = np.broadcast_to(np.arange(2)[None, None, :, None], shape).reshape(-1)
+        pieces = {
+            "layer": np.full(ids.size, layer, np.int16),
+            "neuron": np.broadcast_to(np.arange(d_ff, dtype=np.int32)[:, None, None, None], shape).reshape(-1),
+            label_name: pc.take(pa.array([g["label"] for g in group], pa.string()), pa.array(label_index)),
+            "kind": pc.take(pa.array(["promote", "suppress"], pa.string()), pa.array(kind_index)),
+            "rank": np.broadcast_to(np.arange(n, dtype=np.int16)[None, None, None, :], shape).reshape(-1),
+            "token_id": ids.reshape(-1).astype(np.int32),
+            "token": pc.take(vocab, pa.array(ids.reshape(-1))),
+            "score": scores.reshape(-1).astype(np.float32),
+        }
+        for name, values in pieces.items():
+            columns.setdefault(name, []).append(values)
+    merged = {name: (pa.concat_arrays(parts) if isinstance(parts[0], pa.Array) else pa.array(np.concatenate(parts)))
+              for name, parts in columns.items()}
+    return pa.table([merged[name] for name in schema.names], schema=schema)
+
+
+def _cache_key(model: Model, layers: list[int], config) -> str | None:
+    """None when the weights have no reliable fingerprint (then nothing is cached)."""
+    if not model.fingerprint or model.fingerprint.endswith(("unknown", "None")):
+        return None
+    from kvmem.schema import FORMAT_VERSION
+
+    vocab = hashlib.sha256("\0".join(model.vocab_strings).encode("utf-8", "surrogatepass")).hexdigest()
+    key = {"cache": _CACHE_VERSION, "format": FORMAT_VERSION, "fingerprint": model.fingerprint, "vocab": vocab,
+           "dtype": str(model.dtype), "device": str(model.device).split(":")[0], "layers": list(layers),
+           "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cached_projection_files(model: Model, layers: list[int], config, *, bar=None) -> dict:
+    """{'files': {'values': path, 'keys': path}, 'cached': bool}: parquet files to copy into an atlas,
+    read from the per-model cache or computed (and cached) now."""
+    from kvmem.atomic import staged_directory
+    from kvmem.builtin import cache_dir
+    from kvmem.scanning.parquet import write_parquet
+
+    key = _cache_key(model, layers, config)
+    names = ("values", "keys")
+    if key is not None:
+        directory = cache_dir() / "projections" / key
+        if all((directory / f"{name}.parquet").exists() for name in names):
+            if bar is not None:
+                bar.update(len(layers))
+            return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": True}
+    tables = projection_tables(model, layers, config, bar=bar)
+    if key is None:
+        directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
+        for name in names:
+            write_parquet(directory / f"{name}.parquet", tables[name])
+    else:
+        try:
+            with staged_directory(directory) as tmp:
+                for name in names:
+                    write_parquet(tmp / f"{name}.parquet", tables[name])
+        except OSError:  # a read-only cache: compute every time
+            directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
+            for name in names:
+                write_parquet(directory / f"{name}.parquet", tables[name])
+    return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": False}

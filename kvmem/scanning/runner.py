@@ -1,65 +1,69 @@
-"""The streaming pass: corpus -> windows -> batches -> hooks -> per-neuron state -> atlas."""
+"""The scan: one pass over the corpus -> per-neuron state (+ the text it needs) -> atlas.
+
+The pass reads and tokenizes the corpus once. Everything the atlas needs from the corpus
+(trigger contexts, each trigger's neuron on its context tokens) is captured while the batch
+is in memory; value and key projections depend on the weights alone and are cached per model.
+
+Under ``torchrun`` each rank scans its share of the blocks (:mod:`kvmem.plan`); rank 0 merges
+the states with :func:`kvmem.scanning.accumulator.merge_states` and writes the atlas.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvmem.corpus import Corpus, Document, Window, open_corpus, windows
+from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
-from kvmem.scanning.accumulator import LayerState, close_open_document, new_layer_state, pack, update
+from kvmem.plan import DEFAULT_WINDOW, Batch, StreamPosition, TokenPlan, iterate_batches, pack
+from kvmem.scanning import distributed
+from kvmem.scanning.accumulator import LayerState, close_open_document, merge_states, new_layer_state, update
 from kvmem.scanning.capture import capture_coefficients
+from kvmem.scanning.checkpoint import load_state, save_state
 from kvmem.scanning.config import ScanConfig
-from kvmem.scanning.histogram import HIST_BINS
+from kvmem.scanning.progress import Phases
+from kvmem.scanning.texts import TextStore
 
-__all__ = ["scan", "stream", "ScanState", "resolve_window"]
-
-DEFAULT_WINDOW = 256
+__all__ = ["scan", "stream", "ScanState", "resolve_window", "token_plan"]
 
 
 @dataclass
 class ScanState:
-    """Everything a checkpoint holds; enough to continue a scan exactly where it stopped."""
+    """Everything a process holds during a scan; what a checkpoint stores (as tensors and JSON)."""
 
-    config: dict
-    model: dict
-    corpus: dict
-    window: int
     layers: list[int]
     layer_states: dict[int, LayerState]
-    windows_done: int = 0
-    tokens: int = 0
-    documents: int = 0
-    corpus_digest: str = ""  # chained sha256 over (id, text) of every scanned document
-    seconds: float = 0.0
-    finished: bool = False
-    extra: dict = field(default_factory=dict)
+    texts: TextStore = field(default_factory=TextStore)
+    position: StreamPosition = field(default_factory=StreamPosition)
+    tokens: int = 0  # scored by this process
+    windows: int = 0
+    batches: int = 0  # forwards run by this process (resumed runs included)
+    seconds: float = 0.0  # streaming seconds so far
 
-    def save(self, path: Path) -> None:
-        data = dict(self.__dict__)
-        data["layer_states"] = {layer: state.to_dict() for layer, state in self.layer_states.items()}
-        tmp = path.with_suffix(".tmp")
-        torch.save(data, tmp)
-        os.replace(tmp, path)
+    def merge(self, other: ScanState) -> ScanState:
+        """The state of one process that had read both (disjoint shares of one stream)."""
+        return ScanState(self.layers, {layer: merge_states(self.layer_states[layer], other.layer_states[layer])
+                                       for layer in self.layers},
+                         TextStore({**self.texts.windows, **other.texts.windows}), self.position,
+                         self.tokens + other.tokens, self.windows + other.windows, self.batches + other.batches,
+                         max(self.seconds, other.seconds))
 
-    @classmethod
-    def load(cls, path: Path) -> ScanState:
-        try:
-            data = torch.load(path, weights_only=False, map_location="cpu")
-        except Exception as error:  # torch raises many types for a damaged file
-            raise KvmemError(f"checkpoint {path} is unreadable ({error}); delete it and scan again") from None
-        data["layer_states"] = {layer: LayerState.from_dict(s) for layer, s in data["layer_states"].items()}
-        return cls(**data)
+    def referenced_windows(self, window: int) -> set[int]:
+        codes = [side.codes.reshape(-1) for s in self.layer_states.values() for side in s.sides().values()]
+        codes += [side.codes.reshape(-1) for s in self.layer_states.values()
+                  for side in (s.open_top, s.open_bottom) if side is not None]
+        codes = torch.unique(torch.cat(codes).cpu())
+        codes = codes[codes >= 0]
+        docs, pos = codes >> 32, codes & 0xFFFFFFFF
+        return set(pack(docs, pos - pos % window).tolist())
 
 
 def resolve_window(model: Model, config: ScanConfig) -> int:
@@ -71,26 +75,27 @@ def resolve_window(model: Model, config: ScanConfig) -> int:
     return window
 
 
-def _document_digest(document: Document) -> str:
-    return hashlib.sha256(document.id.encode() + b"\0" + document.text.encode()).hexdigest()
+def token_plan(model: Model, config: ScanConfig) -> TokenPlan:
+    """The tokenization plan of a scan of ``model`` under ``config``."""
+    bos = model.bos_token_id if config.prepend_bos else None
+    if config.prepend_bos and bos is None:
+        raise KvmemError(f"the tokenizer of {model.name} has no BOS token; scan with prepend_bos=False (--no-bos)")
+    return TokenPlan(window=resolve_window(model, config), bos_token_id=bos, batch_size=config.batch_size,
+                     max_tokens=config.max_tokens, block_documents=config.block_documents, shard=config.shard)
 
 
-class _Batches:
-    """Windows of the (sharded) corpus in batches, hashing each document as its first window is scored."""
+def _check_layers(model: Model, config: ScanConfig) -> list[int]:
+    layers = list(config.layers) if config.layers is not None else list(range(model.n_layers))
+    bad = [layer for layer in layers if not 0 <= layer < model.n_layers]
+    if bad:
+        raise KvmemError(f"layer(s) {bad} out of range; this model has layers 0..{model.n_layers - 1}")
+    return layers
 
-    def __init__(self, corpus: Corpus, model: Model, config: ScanConfig, window: int):
-        self.corpus, self.model, self.config, self.window = corpus, model, config, window
-        self.digests: dict[int, str] = {}
 
-    def documents(self) -> Iterator[Document]:
-        index, count = self.config.shard
-        for document in self.corpus:
-            if document.index % count == index:
-                self.digests[document.index] = _document_digest(document)
-                yield document
-
-    def windows(self) -> Iterator[Window]:
-        return windows(self.documents(), self.model.encode, self.window)
+def _fresh_state(model: Model, config: ScanConfig, layers: list[int]) -> ScanState:
+    width = config.context_width if config.context_activations else 0
+    return ScanState(layers, {layer: new_layer_state(model.d_ff, config.top_k, per_document=config.per_document,
+                                                     context_width=width, device=model.device) for layer in layers})
 
 
 def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, overwrite: bool = False,
@@ -102,162 +107,140 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     :class:`ScanConfig` (layers, top_k, per_document, max_tokens, window, batch_size, ...).
     ``out``: the atlas directory (None: a temporary directory). An existing ``out`` is refused
     unless ``overwrite``; ``resume`` continues from ``out``'s checkpoint (``checkpoint_every``).
+    Under ``torchrun`` every rank calls this; rank 0 writes the atlas and returns it, the
+    others return None.
     """
     from kvmem.atlas import open_atlas
     from kvmem.scanning.writer import write_atlas
 
+    phases = Phases(progress)
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
-    layers = list(config.layers) if config.layers is not None else list(range(model.n_layers))
-    bad = [layer for layer in layers if not 0 <= layer < model.n_layers]
-    if bad:
-        raise KvmemError(f"layer(s) {bad} out of range; this model has layers 0..{model.n_layers - 1}")
-    window = resolve_window(model, config)
+    layers = _check_layers(model, config)
+    plan = token_plan(model, config)
+    rank, world = distributed.rank_and_world(model.device)
 
     target = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvmem-atlas-")) / "atlas"
-    checkpoint = target.with_name(target.name + ".checkpoint")
+    checkpoint = target.with_name(target.name + (f".rank{rank}" if world > 1 else "") + ".checkpoint")
     if target.exists() and not overwrite:
         raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
-
-    fresh = ScanState(config=config.resume_key(), model=model.describe(), corpus=corpus.describe(), window=window,
-                      layers=layers, layer_states={})
+    header = _header(model, corpus, config, plan, world)
     if resume:
-        if not (checkpoint / "state.pt").exists():
-            raise KvmemError(f"nothing to resume: no checkpoint at {checkpoint}; scan without --resume")
-        state = ScanState.load(checkpoint / "state.pt")
-        _check_resumable(state, fresh)
+        state = load_state(checkpoint, header, device=model.device)
     else:
-        state = fresh
-        state.layer_states = {layer: new_layer_state(model.d_ff, config.top_k, per_document=config.per_document,
-                                                     device=model.device) for layer in layers}
+        state = _fresh_state(model, config, layers)
 
-    _stream(model, corpus, config, state, checkpoint, progress)
-    if state.tokens == 0:
-        raise KvmemError(f"corpus {corpus.spec!r} gave no tokens to scan (empty, or every document empty"
-                         f"{' in this shard' if config.shard[1] > 1 else ''}); check the corpus")
+    with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
+        bar.update(state.tokens)
+        _stream(model, corpus, plan, config, state, rank=rank, world=world, bar=bar,
+                checkpoint=(checkpoint, header) if config.checkpoint_every else None)
     for layer_state in state.layer_states.values():
         close_open_document(layer_state)
-    write_atlas(target, model, corpus, config, state, overwrite=overwrite, progress=progress)
+    if world > 1:
+        with phases.phase("gather"):
+            state = distributed.gather_states(state, header, rank=rank, world=world, device=model.device)
+    if rank != 0:
+        distributed.barrier()
+        return None
+    if state.tokens == 0 and config.shard[1] == 1:
+        raise KvmemError(f"corpus {corpus.spec!r} gave no tokens to scan (empty, or every document empty"
+                         f"{' in this shard' if config.shard[1] > 1 else ''}); check the corpus")
+    write_atlas(target, model, corpus.describe(), config, plan, state, overwrite=overwrite, phases=phases,
+                world=world, keep_state=config.shard[1] > 1)
     if checkpoint.exists():
         shutil.rmtree(checkpoint, ignore_errors=True)
+    if world > 1:
+        distributed.barrier()
     return open_atlas(target)
 
 
 def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "document", text_field: str = "text",
            **settings: Any) -> ScanState:
-    """The streaming pass alone (no text, projections or files): the per-layer state of a scan.
+    """The streaming pass alone (no tables, no files): the per-layer state of a scan.
 
     Same settings as :func:`scan`; used by benchmarks and by code that wants the raw tensors.
     """
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
-    layers = list(config.layers) if config.layers is not None else list(range(model.n_layers))
-    state = ScanState(config=config.resume_key(), model=model.describe(), corpus=corpus.describe(),
-                      window=resolve_window(model, config), layers=layers,
-                      layer_states={layer: new_layer_state(model.d_ff, config.top_k, per_document=config.per_document,
-                                                           device=model.device) for layer in layers})
-    _stream(model, corpus, config, state, Path(tempfile.gettempdir()) / "kvmem-unused.checkpoint", progress)
+    state = _fresh_state(model, config, _check_layers(model, config))
+    phases = Phases(progress)
+    with phases.phase("stream", unit="tok", total=config.max_tokens) as bar:
+        _stream(model, corpus, token_plan(model, config), config, state, rank=0, world=1, bar=bar, checkpoint=None)
     return state
 
 
-def _check_resumable(saved: ScanState, fresh: ScanState) -> None:
-    differ = [key for key in sorted(set(saved.config) | set(fresh.config)) if saved.config.get(key) != fresh.config.get(key)]
-    if saved.model["fingerprint"] != fresh.model["fingerprint"]:
-        differ.append("model")
-    if saved.corpus != fresh.corpus:
-        differ.append("corpus")
-    if saved.window != fresh.window:
-        differ.append("window")
-    if differ:
-        raise KvmemError(f"cannot resume: these settings differ from the checkpoint's: {', '.join(differ)}; "
-                         f"rerun with the original settings or start over without --resume")
+def _stream_total(config: ScanConfig, world: int) -> int | None:
+    if config.max_tokens is None:
+        return None
+    return config.max_tokens // (config.shard[1] * world) if config.shard[1] * world > 1 else config.max_tokens
 
 
-def _stream(model: Model, corpus: Corpus, config: ScanConfig, state: ScanState, checkpoint: Path, progress: bool) -> None:
-    source = _Batches(corpus, model, config, state.window)
-    bos = model.bos_token_id if config.prepend_bos else None
-    if config.prepend_bos and bos is None:
-        raise KvmemError(f"the tokenizer of {model.name} has no BOS token; scan with prepend_bos=False (--no-bos)")
-    offset = 1 if bos is not None else 0
-    neuron_offsets = torch.arange(model.d_ff, dtype=torch.int32, device=model.device) * HIST_BINS
-    bar = _progress_bar(progress, total=config.max_tokens, initial=state.tokens)
-    next_checkpoint = state.tokens + config.checkpoint_every if config.checkpoint_every else None
+def _header(model: Model, corpus: Corpus, config: ScanConfig, plan: TokenPlan, world: int) -> dict:
+    """What a checkpoint (or a rank's state) must agree on to be continued or merged."""
+    return {"config": config.resume_key(), "model": model.fingerprint, "corpus": corpus.describe(),
+            "plan": plan.to_dict(), "world": world}
+
+
+def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, state: ScanState, *, rank: int,
+            world: int, bar, checkpoint: tuple[Path, dict] | None) -> None:
     started = time.perf_counter() - state.seconds
-
-    batch: list[Window] = []
-    skip = state.windows_done
-    for item in source.windows():
-        digest = source.digests.pop(item.doc, None) if item.start == 0 else None
-        if skip:  # already scanned before the checkpoint
-            skip -= 1
-            continue
-        if digest is not None:
-            state.corpus_digest = hashlib.sha256((state.corpus_digest + digest).encode()).hexdigest()
-            state.documents += 1
-        if config.max_tokens is not None:
-            room = config.max_tokens - state.tokens - sum(len(w.tokens) for w in batch)
-            if room <= 0:
-                break
-            if len(item.tokens) > room:
-                item = Window(item.doc, item.start, item.tokens[:room])
-        batch.append(item)
-        if len(batch) == config.batch_size:
-            _run_batch(model, batch, state, offset, bos, neuron_offsets)
-            bar.update(sum(len(w.tokens) for w in batch))
-            batch = []
-            if next_checkpoint is not None and state.tokens >= next_checkpoint:
+    last_checkpoint = state.tokens
+    for item in iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world):
+        if isinstance(item, int):  # a block boundary: the state is whole here
+            if checkpoint is not None and state.tokens - last_checkpoint >= config.checkpoint_every:
                 state.seconds = time.perf_counter() - started
-                checkpoint.mkdir(parents=True, exist_ok=True)
-                state.save(checkpoint / "state.pt")
-                next_checkpoint = state.tokens + config.checkpoint_every
-    if batch:
-        _run_batch(model, batch, state, offset, bos, neuron_offsets)
-        bar.update(sum(len(w.tokens) for w in batch))
-    bar.close()
+                save_state(checkpoint[0], state, checkpoint[1])
+                last_checkpoint = state.tokens
+            continue
+        _run_batch(model, item, plan, config, state)
+        bar.update(item.tokens)
+        if state.texts.needs_gc():
+            state.texts.keep_only(state.referenced_windows(plan.window))
     state.seconds = time.perf_counter() - started
-    state.finished = True
 
 
-def _run_batch(model: Model, batch: list[Window], state: ScanState, offset: int, bos: int | None,
-               neuron_offsets: torch.Tensor) -> None:
+def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState) -> None:
     """One forward over a batch of windows, right-padded; only real tokens are scored."""
-    width = max(len(w.tokens) for w in batch) + offset
-    ids = torch.zeros((len(batch), width), dtype=torch.int64)  # [batch, pos]; padding id 0 is never scored
-    valid = torch.zeros((len(batch), width), dtype=torch.bool)
-    docs = torch.zeros((len(batch), width), dtype=torch.int64)
-    positions = torch.zeros((len(batch), width), dtype=torch.int64)
-    for row, item in enumerate(batch):
-        n = len(item.tokens)
-        if bos is not None:
-            ids[row, 0] = bos
-        ids[row, offset:offset + n] = torch.tensor(item.tokens)
-        valid[row, offset:offset + n] = True
-        docs[row, offset:offset + n] = item.doc
-        positions[row, offset:offset + n] = torch.arange(item.start, item.start + n)
-    flat = valid.view(-1).nonzero().squeeze(1).to(model.device)  # [N] scored positions, in reading order
-    codes = pack(docs, positions).view(-1).to(model.device)[flat]  # [N]
-    doc_of = docs.view(-1).to(model.device)[flat]  # [N], non-decreasing
+    device = model.device
+    offset = plan.offset
+    lengths = [len(w.tokens) for w in batch.windows]
+    width = max(lengths) + offset
+    ids = torch.zeros((len(batch.windows), width), dtype=torch.int64)  # [batch, pos]; padding id 0 is never scored
+    for row, w in enumerate(batch.windows):
+        ids[row, :offset + lengths[row]] = torch.tensor(plan.model_input(w.tokens))
+    lengths_t = torch.tensor(lengths)
+    valid = torch.arange(width)[None, :] - offset < lengths_t[:, None]
+    valid[:, :offset] = False
+    flat = valid.view(-1).nonzero().squeeze(1).to(device)  # [N] scored positions, in reading order
+    window_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)  # [N]
+    first_row = torch.cumsum(lengths_t, 0) - lengths_t  # flat index of each window's first token
+    starts = torch.tensor([w.start for w in batch.windows])
+    docs_w = torch.tensor([w.doc for w in batch.windows])
+    positions = starts[window_of] + torch.arange(len(window_of)) - first_row[window_of]
+    doc_of = docs_w[window_of].to(device)  # [N], non-decreasing
+    codes = pack(doc_of, positions.to(device))  # [N], increasing
+    low = first_row[window_of].to(device)  # [N] first flat row of each row's window
+    high = (first_row + lengths_t)[window_of].to(device)
+    steps = torch.arange(-config.context_before, config.context_after + 1, device=device)
+    n_rows = len(window_of)
+    with_context = config.context_activations
 
     def on_coefficients(layer: int, coefficients: torch.Tensor) -> None:
-        acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, flat)  # [N, d_ff]
-        update(state.layer_states[layer], acts, codes, doc_of, neuron_offsets)
+        acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, flat).float()  # [N, d_ff]
+
+        def context_fn(rows: torch.Tensor, neurons: torch.Tensor) -> torch.Tensor:
+            if not with_context:
+                return torch.empty((rows.numel(), 0), dtype=torch.float32, device=device)
+            around = rows[:, None] + steps[None, :]  # [C, width]
+            inside = (around >= low[rows][:, None]) & (around < high[rows][:, None])
+            got = acts[around.clamp(0, n_rows - 1), neurons[:, None]]
+            return torch.where(inside, got, torch.full_like(got, float("nan")))
+
+        update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of)
 
     capture_coefficients(model, ids, state.layers, on_coefficients)
-    state.tokens += int(flat.numel())
-    state.windows_done += len(batch)
+    state.texts.add(batch.windows)
+    state.tokens += n_rows
+    state.windows += len(batch.windows)
+    state.batches += 1
 
-
-class _NullBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(enabled: bool, *, total: int | None, initial: int):
-    if not enabled:
-        return _NullBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, unit="tok", unit_scale=True, desc="scan", smoothing=0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,56 +12,71 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvmem.atomic import staged_directory
-from kvmem.corpus import Corpus
 from kvmem.models import Model
-from kvmem.scanning.accumulator import LayerState, ordered, unpack
+from kvmem.plan import TokenPlan, unpack
+from kvmem.scanning.accumulator import LayerState
+from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
-from kvmem.scanning.contexts import context_activations, trigger_texts
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
-from kvmem.scanning.projection import key_vectors, project_rows, value_vectors
-from kvmem.schema import CONVENTIONS, FORMAT_VERSION, ROW_GROUP_NEURONS
+from kvmem.scanning.parquet import write_parquet
+from kvmem.scanning.projection import cached_projection_files
+from kvmem.scanning.texts import trigger_texts
+from kvmem.schema import CONVENTIONS, FORMAT_VERSION, conform
 
-__all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "projection_tables"]
+__all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
+           "STATE_DIR"]
 
-TOKENIZATION_RULE = ("each document is tokenized alone without special tokens; window k holds tokens "
-                     "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored)")
+STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
 
 
-def write_atlas(target: Path, model: Model, corpus: Corpus, config: ScanConfig, state, *, overwrite: bool,
-                progress: bool) -> None:
+def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, *,
+                overwrite: bool, phases, world: int = 1, keep_state: bool = False, run: dict | None = None) -> None:
+    """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last."""
     layers = state.layers
-    tables = {
-        "neurons": neurons_table(model, layers, state.layer_states),
-        "triggers": triggers_table(model, corpus, config, state),
-        **projection_tables(model, layers, config),
-        "histograms": histograms_table(layers, state.layer_states),
-    }
-    manifest = build_manifest(model, corpus, config, state)
-    write_tables(target, tables, manifest, overwrite=overwrite)
+    with phases.phase("texts", total=1) as bar:
+        triggers = triggers_table(model, config, plan, state)
+        bar.update()
+    tables = {"neurons": neurons_table(model, layers, state.layer_states), "triggers": triggers,
+              "histograms": histograms_table(layers, state.layer_states)}
+    with phases.phase("projections", total=len(layers)) as bar:
+        projections = cached_projection_files(model, layers, config, bar=bar)
+
+    def manifest() -> dict:
+        timing = {"phases": dict(phases.seconds), "total_seconds": phases.elapsed(),
+                  "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
+                  "world_size": world, "batches": state.batches, "shard": list(config.shard),
+                  "projections_cached": projections["cached"], **(run or {})}
+        return build_manifest(model, corpus, config, plan, state, timing)
+
+    with phases.phase("write", total=len(tables) + 2) as bar:
+        write_tables(target, tables, manifest, overwrite=overwrite, copy=projections["files"], bar=bar,
+                     state=state if keep_state else None)
 
 
-def write_tables(target: Path, tables: dict[str, pa.Table], manifest: dict, *, overwrite: bool) -> None:
-    """Write into a hidden sibling directory, then rename it into place: a crash leaves no half atlas."""
+def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwrite: bool, copy: dict | None = None,
+                 bar=None, state=None) -> None:
+    """Write into a hidden sibling directory, then rename it into place: a crash leaves no half atlas.
+
+    ``manifest``: a dict, or a function returning it (called last, so it can time the writing);
+    ``copy``: table name -> an already written parquet file to copy in; ``state``: a scan state to
+    keep beside the tables (shard atlases, for ``kvmem merge``).
+    """
     target = Path(target)
     if target.exists() and not overwrite:
         raise FileExistsError(target)
     with staged_directory(target) as tmp:
         for name, table in tables.items():
-            _write_parquet(tmp / f"{name}.parquet", table)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-def _write_parquet(path: Path, table: pa.Table) -> None:
-    """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons."""
-    layer = table.column("layer").to_numpy().astype(np.int64)
-    neuron = table.column("neuron").to_numpy().astype(np.int64)
-    group = layer * (1 << 24) + neuron // ROW_GROUP_NEURONS
-    cuts = np.flatnonzero(np.diff(group)) + 1 if len(group) else np.array([], np.int64)
-    bounds = [0, *cuts.tolist(), len(group)]
-    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
-        for start, stop in zip(bounds[:-1], bounds[1:]):
-            if stop > start or len(group) == 0:
-                writer.write_table(table.slice(start, stop - start), row_group_size=max(stop - start, 1))
+            write_parquet(tmp / f"{name}.parquet", conform(table, name))
+            if bar is not None:
+                bar.update()
+        for name, source in (copy or {}).items():
+            shutil.copyfile(source, tmp / f"{name}.parquet")
+        if state is not None:
+            save_state(tmp / STATE_DIR, state, {"shard": True})
+        if bar is not None:
+            bar.update()
+        data = manifest() if callable(manifest) else manifest
+        (tmp / "manifest.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]) -> pa.Table:
@@ -68,10 +84,12 @@ def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]
     for layer in layers:
         s = states[layer]
         n = s.count
-        mean = (s.total / n).cpu().numpy()
-        variance = np.maximum((s.total_sq / n).cpu().numpy() - mean * mean, 0.0)
-        top, _ = ordered(s.top_values, s.top_codes, largest=True)
-        bottom, _ = ordered(s.bottom_values, s.bottom_codes, largest=False)
+        total, total_sq = (t.cpu().numpy() for t in s.sums())
+        with np.errstate(invalid="ignore", divide="ignore"):  # an empty shard: NaN statistics, count 0
+            mean = total / n
+            variance = np.maximum(total_sq / n - mean * mean, 0.0)
+            frac_positive = s.positive.cpu().numpy() / n
+        top, bottom = s.top.values, s.bottom.values
         gate = model.gate_keys(layer)
         part = {
             "layer": np.full(model.d_ff, layer, np.int16),
@@ -81,9 +99,9 @@ def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]
             "std": np.sqrt(variance),
             "min": bottom[0].cpu().numpy().astype(np.float32),
             "max": top[0].cpu().numpy().astype(np.float32),
-            "frac_positive": s.positive.cpu().numpy() / n,
-            "act_sum": s.total.cpu().numpy(),
-            "act_sq_sum": s.total_sq.cpu().numpy(),
+            "frac_positive": frac_positive,
+            "act_sum": total,
+            "act_sq_sum": total_sq,
             "key_norm": model.keys(layer).float().norm(dim=1).cpu().numpy(),
             "gate_norm": (gate.float().norm(dim=1).cpu().numpy() if gate is not None
                           else np.full(model.d_ff, np.nan, np.float32)),
@@ -108,35 +126,30 @@ def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[st
     """Flatten kept triggers, sorted by (layer, neuron, kind, rank); empty slots dropped."""
     parts: dict[str, list[np.ndarray]] = {}
     for layer in layers:
-        s = states[layer]
-        kinds = [("top", s.top_values, s.top_codes, True), ("bottom", s.bottom_values, s.bottom_codes, False)]
-        if s.doc_top_values is not None:
-            kinds += [("top_doc", s.doc_top_values, s.doc_top_codes, True),
-                      ("bottom_doc", s.doc_bottom_values, s.doc_bottom_codes, False)]
-        k, d_ff = s.top_values.shape
-        values = np.stack([ordered(v, c, largest=lg)[0].cpu().numpy() for _, v, c, lg in kinds])  # [kinds, k, F]
-        codes = np.stack([ordered(v, c, largest=lg)[1].cpu().numpy() for _, v, c, lg in kinds])
-        values, codes = values.transpose(2, 0, 1), codes.transpose(2, 0, 1)  # [F, kinds, k]
-        kind_names = np.broadcast_to(np.array([name for name, *_ in kinds], object)[None, :, None], values.shape)
+        sides = states[layer].sides()
+        k, d_ff = sides["top"].values.shape
+        values = np.stack([side.values.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)  # [F, kinds, k]
+        codes = np.stack([side.codes.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)
+        context = np.stack([side.context.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1, 3)
+        kind_names = np.broadcast_to(np.array(list(sides), object)[None, :, None], values.shape)
         ranks = np.broadcast_to(np.arange(k, dtype=np.int16)[None, None, :], values.shape)
         neurons = np.broadcast_to(np.arange(d_ff, dtype=np.int32)[:, None, None], values.shape)
         keep = (codes >= 0).reshape(-1)
         for name, array in (("neuron", neurons), ("kind", kind_names), ("rank", ranks), ("activation", values),
                             ("code", codes)):
             parts.setdefault(name, []).append(array.reshape(-1)[keep])
+        parts.setdefault("context", []).append(context.reshape(len(keep), context.shape[-1])[keep])
         parts.setdefault("layer", []).append(np.full(int(keep.sum()), layer, np.int16))
     return {name: np.concatenate(p) for name, p in parts.items()}
 
 
-def triggers_table(model: Model, corpus: Corpus, config: ScanConfig, state) -> pa.Table:
+def triggers_table(model: Model, config: ScanConfig, plan: TokenPlan, state) -> pa.Table:
+    """One row per kept trigger, its context cut from the window the model read (no second pass)."""
     arrays = _trigger_arrays(state.layers, state.layer_states)
     codes, inverse = np.unique(arrays["code"], return_inverse=True)
-    import torch
-
-    doc_u, pos_u = (t.numpy() for t in unpack(torch.from_numpy(codes)))
-    texts = trigger_texts(model, corpus, set(zip(doc_u.tolist(), pos_u.tolist())), window=state.window,
-                          before=config.context_before, after=config.context_after, shard=config.shard)
-    infos = [texts[(int(d), int(p))] for d, p in zip(doc_u, pos_u)]
+    doc_u, pos_u = unpack(codes)
+    infos = trigger_texts(state.texts, doc_u, pos_u, window=plan.window, before=config.context_before,
+                          after=config.context_after, token_str=model.token_str)
     vocab = model.vocab_strings
 
     def take(values, type_=None) -> pa.Array:
@@ -150,15 +163,14 @@ def triggers_table(model: Model, corpus: Corpus, config: ScanConfig, state) -> p
     gather = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
     context_tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pc.take(flat_pieces, pa.array(gather)))
 
-    if config.context_activations:
-        unique = np.stack([doc_u, pos_u], axis=1)
-        matrix, act_lengths = context_activations(
-            model, corpus, texts, unique, inverse, arrays["layer"].astype(np.int64), arrays["neuron"].astype(np.int64),
-            prepend_bos=config.prepend_bos, batch_size=config.batch_size)
-        flat = matrix[np.arange(matrix.shape[1])[None] < act_lengths[:, None]]
-        act_offsets = np.concatenate([[0], np.cumsum(act_lengths)]).astype(np.int64)
+    matrix = arrays["context"]  # [T, width], NaN outside the window
+    if matrix.shape[1]:
+        valid = ~np.isnan(matrix)
+        act_lengths = valid.sum(axis=1)
+        flat = matrix[valid]
     else:
-        flat, act_offsets = np.empty(0, np.float32), np.zeros(len(inverse) + 1, np.int64)
+        act_lengths, flat = np.zeros(len(inverse), np.int64), np.empty(0, np.float32)
+    act_offsets = np.concatenate([[0], np.cumsum(act_lengths)]).astype(np.int64)
     context_acts = pa.LargeListArray.from_arrays(pa.array(act_offsets), pa.array(flat.astype(np.float32)))
 
     token_ids = np.array([t.token_id for t in infos], np.int32)
@@ -185,62 +197,8 @@ def triggers_table(model: Model, corpus: Corpus, config: ScanConfig, state) -> p
     })
 
 
-def projection_tables(model: Model, layers: list[int], config: ScanConfig) -> dict[str, pa.Table]:
-    vocab = np.array(model.vocab_strings, dtype=object)
-    n = min(config.top_n, model.vocab_size)
-    value_parts, key_parts = [], []
-    unembedding, embedding = model.unembedding(), model.embedding().T  # [d_model, vocab] each
-    for layer in layers:
-        for convention in config.conventions:
-            value_parts.append(_projection_rows(layer, project_rows(value_vectors(model, layer, convention), unembedding, n),
-                                                "convention", convention))
-        for vector, rows in (key_vectors(model, layer).items() if config.key_projections else ()):
-            key_parts.append(_projection_rows(layer, project_rows(rows, embedding, n), "vector", vector))
-    return {"values": _projection_table(value_parts, "convention", vocab),
-            "keys": _projection_table(key_parts, "vector", vocab)}
-
-
-def _projection_rows(layer: int, projection, label_name: str, label: str) -> dict[str, np.ndarray]:
-    d_ff, n = projection.top_ids.shape
-    ids = np.stack([projection.top_ids.numpy(), projection.bottom_ids.numpy()], axis=1)  # [F, 2, n]
-    scores = np.stack([projection.top_scores.numpy(), projection.bottom_scores.numpy()], axis=1)
-    return {"layer": layer, "d_ff": d_ff, "n": n, label_name: label, "ids": ids, "scores": scores}
-
-
-def _projection_table(parts: list[dict], label_name: str, vocab: np.ndarray) -> pa.Table:
-    """Rows sorted by (layer, neuron, label, kind, rank)."""
-    order = ["layer", "neuron", label_name, "kind", "rank", "token_id", "token", "score"]
-    if not parts:  # e.g. key projections switched off: an empty table with the same columns
-        types = [pa.int16(), pa.int32(), pa.string(), pa.string(), pa.int16(), pa.int32(), pa.string(), pa.float32()]
-        return pa.table({name: pa.array([], t) for name, t in zip(order, types)})
-    by_layer: dict[int, list[dict]] = {}
-    for part in parts:
-        by_layer.setdefault(part["layer"], []).append(part)
-    columns: dict[str, list[np.ndarray]] = {}
-    for layer, group in by_layer.items():
-        d_ff, n = group[0]["d_ff"], group[0]["n"]
-        ids = np.stack([g["ids"] for g in group], axis=1)  # [F, labels, 2, n]
-        scores = np.stack([g["scores"] for g in group], axis=1)
-        shape = ids.shape
-        labels = np.array([g[label_name] for g in group], object)
-        pieces = {
-            "layer": np.full(ids.size, layer, np.int16),
-            "neuron": np.broadcast_to(np.arange(d_ff, dtype=np.int32)[:, None, None, None], shape).reshape(-1),
-            label_name: np.broadcast_to(labels[None, :, None, None], shape).reshape(-1),
-            "kind": np.broadcast_to(np.array(["promote", "suppress"], object)[None, None, :, None], shape).reshape(-1),
-            "rank": np.broadcast_to(np.arange(n, dtype=np.int16)[None, None, None, :], shape).reshape(-1),
-            "token_id": ids.reshape(-1).astype(np.int32),
-            "score": scores.reshape(-1).astype(np.float32),
-        }
-        for name, values in pieces.items():
-            columns.setdefault(name, []).append(values)
-    merged = {name: np.concatenate(values) for name, values in columns.items()}
-    merged["token"] = vocab[merged["token_id"]]
-    return pa.table({name: (pa.array(merged[name].tolist(), pa.string()) if merged[name].dtype == object
-                            else merged[name]) for name in order})
-
-
-def build_manifest(model: Model, corpus: Corpus, config: ScanConfig, state) -> dict:
+def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, timing: dict) -> dict:
+    """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned."""
     import torch
     import transformer_lens
     import transformers
@@ -248,26 +206,25 @@ def build_manifest(model: Model, corpus: Corpus, config: ScanConfig, state) -> d
     from kvmem import __version__
     from kvmem.anatomy import ffn_params
 
+    position = state.position
+    plan_data = {**plan.to_dict(), "shard": [0, 1]}
+    scan = {**config.to_dict(), "shard": [0, 1]}
     return {
         "format_version": FORMAT_VERSION,
         "kvmem_version": __version__,
         "model": model.describe(),
         "anatomy": {"ffn_params_per_layer": ffn_params(model.d_model, model.d_ff, gated=model.gated, bias=model.has_bias)},
-        "corpus": {**corpus.describe(), "documents": state.documents, "sha256_chain": state.corpus_digest},
+        "corpus": {**corpus, "documents": position.documents, "sha256_chain": position.corpus_digest},
         "tokens": state.tokens,
-        "windows": state.windows_done,
+        "windows": state.windows,
         "layers": list(state.layers),
-        "tokenization": {"window": state.window, "prepend_bos": config.prepend_bos,
-                         "bos_token_id": model.bos_token_id if config.prepend_bos else None, "rule": TOKENIZATION_RULE},
-        "scan": config.to_dict(),
-        "shards": [{"index": config.shard[0], "count": config.shard[1], "tokens": state.tokens,
-                    "sha256_chain": state.corpus_digest}],
+        "tokenization": plan_data,
+        "scan": scan,
         "histogram": {"bins": HIST_BINS, "edges": [e if np.isfinite(e) else ("inf" if e > 0 else "-inf")
                                                    for e in bin_edges()]},
         "projection": {"conventions": {c: CONVENTIONS[c] for c in config.conventions}, "top_n": config.top_n,
                        "keys": "score = W_E[token] . k (input embedding, no norm)"},
-        "timing": {"scan_seconds": round(state.seconds, 3),
-                   "tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None},
+        "timing": timing,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
                         "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},

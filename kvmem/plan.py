@@ -1,0 +1,236 @@
+"""The tokenization plan: the one place that says which tokens a scan reads, and in which batch.
+
+Every caller that turns a corpus into model inputs (the scan, its shards and ranks, the
+experiments, token removal) goes through this module, so they agree to the token.
+
+The rule, stable so anyone can recompute an activation:
+
+- a document's text is tokenized alone, with no special tokens;
+- window k of a document holds ``ids[k*W:(k+1)*W]``; the model reads ``[BOS] + window`` when
+  ``bos_token_id`` is set (the BOS position is never scored);
+- token ``pos`` of document ``doc`` is packed into one int64 *code* ``doc << 32 | pos``;
+- documents are grouped into *blocks* of ``block_documents`` consecutive documents; a batch holds
+  up to ``batch_size`` consecutive windows and never spans two blocks, so every batch is the same
+  tensor whichever process computes it;
+- ``max_tokens`` cuts the stream after that many scored tokens (the last window is shortened);
+- a process with shard ``i/n`` and rank ``r`` of ``w`` takes the blocks ``b`` with
+  ``b % n == i`` and ``(b // n) % w == r``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from kvmem.errors import KvmemError
+
+__all__ = ["TokenPlan", "Batch", "WindowText", "pack", "unpack", "window_key", "iterate_batches", "DEFAULT_WINDOW",
+           "DEFAULT_BLOCK_DOCUMENTS", "document_digest", "RULE"]
+
+DEFAULT_WINDOW = 256
+DEFAULT_BLOCK_DOCUMENTS = 64
+RULE = ("each document is tokenized alone without special tokens; window k holds tokens "
+        "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored); "
+        "batches of consecutive windows never span a block of block_documents documents")
+
+
+def pack(doc, pos):
+    """(doc, pos) -> int64 code ``doc << 32 | pos`` (ints, numpy arrays or torch tensors)."""
+    if hasattr(doc, "to"):  # torch
+        import torch
+
+        return (doc.to(torch.int64) << 32) | pos.to(torch.int64)
+    return (doc << 32) | pos
+
+
+def unpack(code):
+    """code -> (doc, pos)."""
+    return code >> 32, code & 0xFFFFFFFF
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenPlan:
+    """Which tokens are read and how they are batched (recorded in the manifest as ``tokenization``).
+
+    window:          tokens per window (BOS not counted)
+    bos_token_id:    token read before every window and never scored; None = no BOS
+    batch_size:      windows per forward
+    max_tokens:      scored tokens after which the stream stops (None = the whole corpus)
+    block_documents: documents per block (the unit that shards and ranks share out)
+    shard:           (i, n): this process's part of the blocks, for batch schedulers
+    """
+
+    window: int
+    bos_token_id: int | None
+    batch_size: int = 8
+    max_tokens: int | None = None
+    block_documents: int = DEFAULT_BLOCK_DOCUMENTS
+    shard: tuple[int, int] = (0, 1)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "batch_size", "block_documents"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise KvmemError(f"{name} must be an integer >= 1, got {value!r}")
+        index, count = self.shard
+        if not (isinstance(index, int) and isinstance(count, int) and count >= 1 and 0 <= index < count):
+            raise KvmemError(f"shard must be i/N with 0 <= i < N, got {index}/{count}")
+        object.__setattr__(self, "shard", (int(index), int(count)))
+
+    @property
+    def offset(self) -> int:
+        """Index of a window's first token in the model's input (1 with BOS)."""
+        return 0 if self.bos_token_id is None else 1
+
+    def window_start(self, pos: int) -> int:
+        """Document position where the window holding ``pos`` starts."""
+        return (pos // self.window) * self.window
+
+    def model_input(self, tokens) -> list[int]:
+        """The ids the model reads for one window's tokens."""
+        return ([self.bos_token_id] if self.bos_token_id is not None else []) + list(tokens)
+
+    def takes_block(self, block: int, rank: int = 0, world: int = 1) -> bool:
+        index, count = self.shard
+        return block % count == index and (block // count) % world == rank
+
+    def takes_document(self, doc: int, rank: int = 0, world: int = 1) -> bool:
+        """Whether this shard (and rank) scans document ``doc``."""
+        return self.takes_block(doc // self.block_documents, rank, world)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["shard"] = list(self.shard)
+        data["prepend_bos"] = self.bos_token_id is not None
+        data["rule"] = RULE
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TokenPlan:
+        """From a manifest's ``tokenization`` (format 1 atlases lack the batching fields)."""
+        return cls(window=int(data["window"]), bos_token_id=data.get("bos_token_id"),
+                   batch_size=int(data.get("batch_size", 8)), max_tokens=data.get("max_tokens"),
+                   block_documents=int(data.get("block_documents", DEFAULT_BLOCK_DOCUMENTS)),
+                   shard=tuple(data.get("shard", (0, 1))))
+
+
+@dataclass
+class WindowText:
+    """The text of one window as the model read it: what a trigger's context is cut from.
+
+    ``offsets`` [(start, end)] are character offsets into ``text`` (the whole document) of
+    each read token, or None for tokenizers without offsets (pieces are then decoded tokens).
+    """
+
+    doc: int
+    doc_id: str
+    start: int  # document position of tokens[0]
+    tokens: tuple[int, ...]
+    following: int  # the document's token after the last read one, -1 at the end
+    text: str = field(repr=False)
+    offsets: tuple[tuple[int, int], ...] | None = field(repr=False, default=None)
+
+    @property
+    def key(self) -> int:
+        return window_key(self.doc, self.start)
+
+
+def window_key(doc: int, start: int) -> int:
+    return (int(doc) << 32) | int(start)
+
+
+@dataclass
+class Batch:
+    """Windows read in one forward, in reading order (codes increase along the batch)."""
+
+    block: int
+    windows: list[WindowText]
+    tokens: int  # scored tokens in this batch
+
+
+def document_digest(doc_id: str, text: str) -> str:
+    return hashlib.sha256(doc_id.encode() + b"\0" + text.encode()).hexdigest()
+
+
+@dataclass
+class StreamPosition:
+    """Where the stream stands (all processes agree on it): enough to resume at a block boundary."""
+
+    blocks_done: int = 0  # blocks fully read (by any process)
+    tokens: int = 0  # scored tokens of the whole stream so far (all shards and ranks)
+    documents: int = 0  # documents read so far
+    corpus_digest: str = ""  # chained sha256 over (id, text) of every document read
+    finished: bool = False
+
+
+def _encoder(tokenizer) -> Callable[[str], tuple[list[int], list[tuple[int, int]] | None]]:
+    if getattr(tokenizer, "is_fast", False):
+        def encode(text: str):
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return encoded["input_ids"], [tuple(o) for o in encoded["offset_mapping"]]
+    else:
+        def encode(text: str):
+            return tokenizer(text, add_special_tokens=False)["input_ids"], None
+    return encode
+
+
+def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosition, *, rank: int = 0,
+                    world: int = 1) -> Iterator[Batch | int]:
+    """Walk the corpus under ``plan`` from ``position``; yield this process's batches.
+
+    Also yields the block index (an int) each time a block is complete, so the caller can
+    checkpoint there. ``position`` is updated in place as documents are read. Documents of
+    blocks before ``position.blocks_done`` are skipped without tokenizing them.
+    Foreign blocks are tokenized only when ``max_tokens`` needs their counts.
+    """
+    encode = _encoder(tokenizer)
+    block_docs = plan.block_documents
+    current_block = position.blocks_done
+    pending: list[WindowText] = []
+    pending_tokens = 0
+
+    def flush():
+        nonlocal pending, pending_tokens
+        batch = Batch(current_block, pending, pending_tokens)
+        pending, pending_tokens = [], 0
+        return batch
+
+    for document in documents:
+        block = document.index // block_docs
+        if block < position.blocks_done:
+            continue
+        if block != current_block:
+            if pending:
+                yield flush()
+            position.blocks_done = block
+            yield block  # every block before `block` is complete
+            current_block = block
+        if plan.max_tokens is not None and position.tokens >= plan.max_tokens:
+            break
+        position.documents += 1
+        position.corpus_digest = hashlib.sha256(
+            (position.corpus_digest + document_digest(document.id, document.text)).encode()).hexdigest()
+        mine = plan.takes_block(block, rank, world)
+        if not mine and plan.max_tokens is None:
+            continue
+        ids, offsets = encode(document.text)
+        for start in range(0, len(ids), plan.window):
+            n = min(plan.window, len(ids) - start)
+            if plan.max_tokens is not None:
+                n = min(n, plan.max_tokens - position.tokens)
+                if n <= 0:
+                    break
+            position.tokens += n
+            if not mine:
+                continue
+            following = ids[start + n] if start + n < len(ids) else -1
+            pending.append(WindowText(
+                document.index, document.id, start, tuple(ids[start:start + n]), following, document.text,
+                tuple(offsets[start:start + n]) if offsets is not None else None))
+            pending_tokens += n
+            if len(pending) == plan.batch_size:
+                yield flush()
+    if pending:
+        yield flush()
+    position.finished = True

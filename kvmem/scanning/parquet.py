@@ -1,0 +1,26 @@
+"""Parquet files of an atlas: row groups that never span a layer (see :mod:`kvmem.schema`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvmem.schema import ROW_GROUP_NEURONS
+
+__all__ = ["write_parquet"]
+
+
+def write_parquet(path: Path, table: pa.Table) -> None:
+    """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons."""
+    layer = table.column("layer").to_numpy().astype(np.int64)
+    neuron = table.column("neuron").to_numpy().astype(np.int64)
+    group = layer * (1 << 24) + neuron // ROW_GROUP_NEURONS
+    cuts = np.flatnonzero(np.diff(group)) + 1 if len(group) else np.array([], np.int64)
+    bounds = [0, *cuts.tolist(), len(group)]
+    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            if stop > start or len(group) == 0:
+                writer.write_table(table.slice(start, stop - start), row_group_size=max(stop - start, 1))
