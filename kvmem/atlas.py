@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from kvmem.errors import KvmemError
-from kvmem.schema import READABLE_VERSIONS, TABLES, TRIGGER_KINDS
+from kvmem.schema import READABLE_VERSIONS, SAMPLE_KINDS, TABLES, TRIGGER_KINDS
 
 __all__ = ["open_atlas", "Atlas", "NeuronRecord"]
 
@@ -142,6 +142,8 @@ class Atlas:
             groups = []
             meta = self._files[table].metadata
             names = self._files[table].schema_arrow.names
+            if "layer" not in names:  # sample_contexts: keyed by (doc, pos), read whole
+                return self._files[table]
             li, ni = names.index("layer"), names.index("neuron")
             for g in range(meta.num_row_groups):
                 rg = meta.row_group(g)
@@ -208,6 +210,42 @@ class Atlas:
         """Tokens whose input embedding best matches the key (and gate key) vectors."""
         frame = self._read("keys", layer, neuron)
         return frame if vector is None else frame[frame.vector == vector].reset_index(drop=True)
+
+    def samples(self, layer: int, neuron: int, *, kind: str | None = None) -> pd.DataFrame:
+        """Sampled coefficients of one neuron with their text: kind ``random`` (a uniform sample of
+        positions) or ``bin`` (a sample of each histogram bin, see :meth:`quantile_samples`); None: both."""
+        if kind is not None and kind not in SAMPLE_KINDS:
+            raise KvmemError(f"unknown sample kind {kind!r}; choose one of {', '.join(SAMPLE_KINDS)}")
+        if not (self.path / "samples.parquet").exists():
+            raise KvmemError(f"{self.path} holds no samples (scanned with random_samples=0 and bin_samples=0, "
+                             f"or by an older kvmem); rescan to get them")
+        frame = self._read("samples", layer, neuron)
+        if kind is not None:
+            frame = frame[frame.kind == kind]
+        contexts = self._table("sample_contexts")
+        return frame.merge(contexts, on=["doc", "pos"], how="left").reset_index(drop=True)
+
+    def quantile_samples(self, layer: int, neuron: int, *, bands: int = 5, per_band: int = 5) -> list[pd.DataFrame]:
+        """Uniform samples of each of ``bands`` quantile bands of the neuron's coefficients.
+
+        Bands are whole histogram bins, cut where the cumulative count crosses i/bands (so each
+        holds about 1/bands of the positions, as exactly as the bins allow); each band's sample is
+        the ``per_band`` positions with the smallest sampling keys among its bins' samples, which
+        is a uniform sample of the band. Each frame has a ``band`` column and the band's bounds.
+        """
+        counts = self.histogram(layer, neuron)
+        cumulative = counts["count"].cumsum().to_numpy() / max(int(counts["count"].sum()), 1)
+        band_of_bin = np.minimum((np.concatenate([[0.0], cumulative[:-1]]) * bands).astype(int), bands - 1)
+        samples = self.samples(layer, neuron, kind="bin")
+        samples = samples.assign(band=band_of_bin[samples["bin"].to_numpy()])
+        out = []
+        for band in range(bands):
+            bins = counts.index[band_of_bin == band]
+            part = samples[samples.band == band].sort_values("rank", kind="stable").head(per_band)
+            low = float(counts.low.iloc[bins.min()]) if len(bins) else float("nan")
+            high = float(counts.high.iloc[bins.max()]) if len(bins) else float("nan")
+            out.append(part.assign(band_low=low, band_high=high).reset_index(drop=True))
+        return out
 
     def histogram(self, layer: int, neuron: int) -> pd.DataFrame:
         """Coefficient histogram over the fixed bins: columns bin, low, high, count."""

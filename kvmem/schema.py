@@ -23,7 +23,9 @@ __all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 ROW_GROUP_NEURONS = 64
-TABLES = ("neurons", "triggers", "values", "keys", "histograms")
+TABLES = ("neurons", "triggers", "values", "keys", "histograms", "samples", "sample_contexts")
+OPTIONAL_TABLES = ("samples", "sample_contexts")  # absent when samples are switched off (and in format 1)
+SAMPLE_KINDS = ("random", "bin")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
 CONVENTIONS = {
@@ -90,6 +92,31 @@ COLUMNS: dict[str, dict[str, str]] = {
         "token_id": "int32",
         "token": "string",
         "score": "float32, W_E[token] . k",
+    },
+    "samples": {
+        "layer": "int16",
+        "neuron": "int32",
+        "kind": "string: random (the layer's uniform random sample of positions) | bin (a histogram bin's sample)",
+        "bin": "int16, histogram bin of a bin sample (edges in manifest['histogram']['edges']), -1 for random",
+        "rank": "int16, order by the position's sampling key (0 first)",
+        "activation": "float32, the coefficient m_i at this position",
+        "doc": "int64, index of the document in the corpus stream",
+        "pos": "int32, token position within the document",
+        "context_activations": "list<float32>, m_i at each context token (random samples; empty for bin samples)",
+    },
+    "sample_contexts": {
+        "doc": "int64, index of the document in the corpus stream",
+        "pos": "int32, token position within the document",
+        "doc_id": "string, the document's stable id",
+        "token_id": "int32, the token at this position",
+        "token": "string, its text",
+        "next_token_id": "int32, the following token in the document, -1 at the end",
+        "next_token": "string, its text ('' at the end)",
+        "context": "string, text of the context tokens (inside the window the model read)",
+        "span_start": "int32, character offset of the position's token in context",
+        "span_end": "int32, end offset (exclusive)",
+        "context_tokens": "list<string>, the context split into tokens",
+        "context_trigger": "int16, index of the position's token in context_tokens",
     },
     "histograms": {
         "layer": "int16",

@@ -10,6 +10,7 @@ import torch
 from conftest import SHORT_DOCS
 
 import kvmem
+import kvmem.schema
 from kvmem.scanning.histogram import HIST_BINS, reference_bin
 
 WINDOW = 8
@@ -186,7 +187,7 @@ SHARDABLE = dict(top_k=K, window=WINDOW, batch_size=3, per_document=True, top_n=
 
 def assert_same_atlas(a, b):
     """Every table byte-identical and the manifests equal but for timing."""
-    for table in ("neurons", "triggers", "values", "keys", "histograms"):
+    for table in kvmem.schema.TABLES:
         assert (a.path / f"{table}.parquet").read_bytes() == (b.path / f"{table}.parquet").read_bytes(), table
     ma, mb = (json.loads((x.path / "manifest.json").read_text()) for x in (a, b))
     ma.pop("timing"), mb.pop("timing")
@@ -407,3 +408,34 @@ def test_key_projections_can_be_skipped(gpt2_model, tmp_path):
     assert list(atlas.table("triggers", columns=["layer", "pos"]).columns) == ["layer", "pos"]
     with pytest.raises(kvmem.KvmemError, match="has no column"):
         atlas.table("triggers", columns=["nope"])
+
+
+def test_samples_equal_brute_force(gpt2_model, gpt2_atlas):
+    """The random sample is the positions with the smallest keys; each bin keeps its smallest keys under the rate."""
+    from kvmem.plan import pack
+    from kvmem.scanning.histogram import bin_index
+    from kvmem.scanning.sampling import KEY_BITS, position_keys
+
+    rows, acts = brute_force(gpt2_model, SHORT_DOCS)
+    codes = torch.tensor([int(pack(d, p)) for d, p in rows])
+    keys = position_keys(codes, 0).numpy()
+    config = gpt2_atlas.manifest["scan"]
+    by_key = np.argsort(keys, kind="stable")
+    for layer, m in acts.items():
+        for neuron in (0, 17, gpt2_model.d_ff - 1):
+            got = gpt2_atlas.samples(layer, neuron, kind="random")
+            expected = by_key[:config["random_samples"]]
+            assert [(int(d), int(p)) for d, p in zip(got.doc, got.pos)] == [rows[i] for i in expected]
+            np.testing.assert_allclose(got.activation, m[expected, neuron], rtol=1e-5, atol=1e-6)
+            for row in got.itertuples():
+                assert row.context[row.span_start:row.span_end] == row.context_tokens[row.context_trigger]
+                assert row.context_activations[row.context_trigger] == row.activation
+            got = gpt2_atlas.samples(layer, neuron, kind="bin")
+            bins = bin_index(torch.from_numpy(m[:, neuron].copy())).numpy()
+            thinned = [i for i in by_key if keys[i] < int(config["sample_rate"] * (1 << KEY_BITS))]
+            expected = []
+            for b in sorted(set(bins[thinned].tolist())):
+                expected += [(b, rows[i]) for i in [i for i in thinned if bins[i] == b][:config["bin_samples"]]]
+            assert [(int(b), (int(d), int(p))) for b, d, p in zip(got.bin, got.doc, got.pos)] == expected
+    bands = gpt2_atlas.quantile_samples(0, 3, bands=4, per_band=2)
+    assert len(bands) == 4 and all(len(band) <= 2 for band in bands)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kvmem.scanning.histogram import HIST_BINS, histogram_update
+from kvmem.scanning.sampling import BinSample, RandomSample
 
 __all__ = ["Side", "LayerState", "new_layer_state", "update", "merge_states", "close_open_document", "EMPTY",
            "ContextFn"]
@@ -103,6 +104,7 @@ class LayerState:
     double-double sums of m and m² (row 0 high part, row 1 low part); ``positive`` [F] int64
     #{m > 0}; ``histogram`` [F, B] int64. ``doc_top``/``doc_bottom``: the best position of each
     document (only with per_document), with the still-open document's running best in ``open_*``.
+    ``random``/``bins``: the samples of :mod:`kvmem.scanning.sampling` (None when switched off).
     """
 
     top: Side
@@ -117,6 +119,8 @@ class LayerState:
     open_doc: int = EMPTY
     open_top: Side | None = None  # k = 1
     open_bottom: Side | None = None
+    random: RandomSample | None = None
+    bins: BinSample | None = None
 
     def sides(self) -> dict[str, Side]:
         """Kind name (as in the triggers table) -> side, for the kinds this state keeps."""
@@ -139,8 +143,15 @@ class LayerState:
             if side is not None:
                 for part in ("values", "codes", "context"):
                     tensors[f"{prefix}.{field_name}.{part}"] = getattr(side, part).contiguous()
+        if self.random is not None:
+            for part in ("codes", "values", "context"):
+                tensors[f"{prefix}.random.{part}"] = getattr(self.random, part).contiguous()
+        if self.bins is not None:
+            tensors[f"{prefix}.bins.codes"], tensors[f"{prefix}.bins.values"] = self.bins.codes, self.bins.values
         meta = {"count": self.count, "open_doc": self.open_doc,
-                "sides": [f.name for f in fields(self) if isinstance(getattr(self, f.name), Side)]}
+                "sides": [f.name for f in fields(self) if isinstance(getattr(self, f.name), Side)],
+                "random_seed": self.random.seed if self.random is not None else None,
+                "bins": [self.bins.seed, self.bins.rate] if self.bins is not None else None}
         return tensors, meta
 
     @classmethod
@@ -148,12 +159,20 @@ class LayerState:
         sides = {name: Side(tensors[f"{prefix}.{name}.values"], tensors[f"{prefix}.{name}.codes"],
                             tensors[f"{prefix}.{name}.context"], largest=name in ("top", "doc_top", "open_top"))
                  for name in meta["sides"]}
-        return cls(**sides, count=int(meta["count"]), open_doc=int(meta["open_doc"]),
+        random = bins = None
+        if meta.get("random_seed") is not None:
+            random = RandomSample(*(tensors[f"{prefix}.random.{part}"] for part in ("codes", "values", "context")),
+                                  seed=int(meta["random_seed"]))
+        if meta.get("bins") is not None:
+            seed, rate = meta["bins"]
+            bins = BinSample(tensors[f"{prefix}.bins.codes"], tensors[f"{prefix}.bins.values"], int(seed), float(rate))
+        return cls(**sides, count=int(meta["count"]), open_doc=int(meta["open_doc"]), random=random, bins=bins,
                    **{name: tensors[f"{prefix}.{name}"] for name in ("total", "total_sq", "positive", "histogram")})
 
 
 def new_layer_state(d_ff: int, top_k: int, *, per_document: bool, context_width: int,
-                    device: str | torch.device = "cpu") -> LayerState:
+                    device: str | torch.device = "cpu", random_samples: int = 0, bin_samples: int = 0,
+                    sample_rate: float = 0.125, seed: int = 0) -> LayerState:
     def side(largest: bool, k: int = top_k) -> Side:
         return Side.empty(k, d_ff, context_width, largest=largest, device=device)
 
@@ -166,6 +185,10 @@ def new_layer_state(d_ff: int, top_k: int, *, per_document: bool, context_width:
     )
     if per_document:
         state.doc_top, state.doc_bottom = side(True), side(False)
+    if random_samples:
+        state.random = RandomSample.empty(random_samples, d_ff, context_width, device, seed=seed)
+    if bin_samples:
+        state.bins = BinSample.empty(bin_samples, d_ff, device, seed=seed, rate=sample_rate)
     return state
 
 
@@ -194,12 +217,13 @@ def _renormalise(acc: Tensor) -> None:
 
 
 def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *, docs: Tensor | None = None,
-           dense_factor: int = 2) -> None:
+           keys: Tensor | None = None, dense_factor: int = 2) -> None:
     """Fold one batch of coefficients into the state.
 
     acts [N, F] float32, the scored positions in reading order; codes [N] int64, increasing;
     context_fn gives each candidate's context coefficients; docs [N] document indices
-    (non-decreasing; needed only with per_document).
+    (non-decreasing; needed only with per_document); keys [N] the positions' sampling keys
+    (:func:`kvmem.scanning.sampling.position_keys`; needed only with samples).
     """
     if acts.shape[0] == 0:
         return
@@ -217,6 +241,10 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
 
     if state.doc_top is not None:
         _update_per_document(state, acts, codes, docs, context_fn)
+    if state.random is not None:
+        state.random.update(acts, codes, keys, context_fn)
+    if state.bins is not None:
+        state.bins.update(acts, codes, keys)
 
 
 def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, dense_factor: int) -> None:
@@ -317,4 +345,8 @@ def merge_states(a: LayerState, b: LayerState) -> LayerState:
     )
     if a.doc_top is not None:
         out.doc_top, out.doc_bottom = _merge_sides(a.doc_top, b.doc_top), _merge_sides(a.doc_bottom, b.doc_bottom)
+    if a.random is not None:
+        out.random = a.random.merge(b.random)
+    if a.bins is not None:
+        out.bins = a.bins.merge(b.bins)
     return out

@@ -28,6 +28,10 @@ class ScanConfig:
     key_projections:  also project key (and gate) vectors through the input embedding
     shard:            (i, n): scan the blocks of documents b with b % n == i (see kvmem.plan)
     block_documents:  documents per block, the unit that shards and ranks share out
+    random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.sampling
+    bin_samples:      positions kept per neuron and histogram bin, for quantile samples (0 = none)
+    sample_rate:      fraction of positions the bin samples draw from (bounds their per-token cost)
+    seed:             seed of the samples' position keys
     checkpoint_every: tokens between checkpoints (None = no checkpoints); taken at block ends
     """
 
@@ -46,6 +50,10 @@ class ScanConfig:
     key_projections: bool = True
     shard: tuple[int, int] = (0, 1)
     block_documents: int = 64
+    random_samples: int = 20
+    bin_samples: int = 4
+    sample_rate: float = 0.125
+    seed: int = 0
     checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +70,12 @@ class ScanConfig:
         positive("window", self.window, allow_none=True)
         positive("checkpoint_every", self.checkpoint_every, allow_none=True)
         positive("block_documents", self.block_documents)
+        for name in ("random_samples", "bin_samples", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise KvmemError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.sample_rate, (int, float)) or not 0 < self.sample_rate <= 1:
+            raise KvmemError(f"sample_rate must be a number in (0, 1], got {self.sample_rate!r}")
         for name in ("context_before", "context_after"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin"]
+__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin", "bin_of"]
 
 _LOW_EXP = -7  # smallest finite edge 2^-7
 _HIGH_EXP = 7  # largest finite edge 2^7
@@ -59,6 +59,23 @@ def _raw_to_bin():
 _LUT: dict = {}
 
 
+def _tables(d_ff: int, device):
+    import torch
+
+    key = (str(device), d_ff)
+    if key not in _LUT:
+        _LUT[key] = (_raw_to_bin().to(device), torch.arange(d_ff, dtype=torch.int32, device=device))
+    return _LUT[key]
+
+
+def bin_of(values):
+    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (same bins as :func:`bin_index`)."""
+    import torch
+
+    lut, _ = _tables(values.shape[-1], values.device)
+    return lut[(values.contiguous().view(torch.int32) >> 22) & 0x3FF]
+
+
 def histogram_update(counts, values) -> None:
     """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32.
 
@@ -70,10 +87,7 @@ def histogram_update(counts, values) -> None:
 
     n, d_ff = values.shape
     device = values.device
-    key = (str(device), d_ff)
-    if key not in _LUT:
-        _LUT[key] = (_raw_to_bin().to(device), torch.arange(d_ff, dtype=torch.int32, device=device))
-    lut, neurons = _LUT[key]
+    lut, neurons = _tables(d_ff, device)
     raw = (values.contiguous().view(torch.int32) >> 22) & 0x3FF  # [N, d_ff]
     index = raw.mul_(d_ff).add_(neurons)
     per_code = torch.bincount(index.view(-1), minlength=_RAW_CODES * d_ff).view(_RAW_CODES, d_ff)

@@ -14,7 +14,11 @@ __all__ = ["write_parquet"]
 
 
 def write_parquet(path: Path, table: pa.Table) -> None:
-    """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons."""
+    """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons (tables without
+    layer and neuron columns, such as sample_contexts, in row groups of 64k rows)."""
+    if "layer" not in table.column_names:
+        pq.write_table(table, path, compression="zstd", row_group_size=1 << 16)
+        return
     layer = table.column("layer").to_numpy().astype(np.int64)
     neuron = table.column("neuron").to_numpy().astype(np.int64)
     group = layer * (1 << 24) + neuron // ROW_GROUP_NEURONS

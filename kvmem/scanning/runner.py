@@ -30,6 +30,7 @@ from kvmem.scanning.capture import capture_coefficients
 from kvmem.scanning.checkpoint import load_state, save_state
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.progress import Phases
+from kvmem.scanning.sampling import position_keys
 from kvmem.scanning.texts import TextStore
 
 __all__ = ["scan", "stream", "ScanState", "resolve_window", "token_plan"]
@@ -57,9 +58,8 @@ class ScanState:
                          max(self.seconds, other.seconds))
 
     def referenced_windows(self, window: int) -> set[int]:
-        codes = [side.codes.reshape(-1) for s in self.layer_states.values() for side in s.sides().values()]
-        codes += [side.codes.reshape(-1) for s in self.layer_states.values()
-                  for side in (s.open_top, s.open_bottom) if side is not None]
+        codes = [part.codes.reshape(-1) for s in self.layer_states.values()
+                 for part in (*s.sides().values(), s.open_top, s.open_bottom, s.random, s.bins) if part is not None]
         codes = torch.unique(torch.cat(codes).cpu())
         codes = codes[codes >= 0]
         docs, pos = codes >> 32, codes & 0xFFFFFFFF
@@ -94,8 +94,10 @@ def _check_layers(model: Model, config: ScanConfig) -> list[int]:
 
 def _fresh_state(model: Model, config: ScanConfig, layers: list[int]) -> ScanState:
     width = config.context_width if config.context_activations else 0
-    return ScanState(layers, {layer: new_layer_state(model.d_ff, config.top_k, per_document=config.per_document,
-                                                     context_width=width, device=model.device) for layer in layers})
+    return ScanState(layers, {layer: new_layer_state(
+        model.d_ff, config.top_k, per_document=config.per_document, context_width=width, device=model.device,
+        random_samples=config.random_samples, bin_samples=config.bin_samples, sample_rate=config.sample_rate,
+        seed=config.seed) for layer in layers})
 
 
 def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, overwrite: bool = False,
@@ -224,6 +226,7 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
     steps = torch.arange(-config.context_before, config.context_after + 1, device=device)
     n_rows = len(window_of)
     with_context = config.context_activations
+    keys = position_keys(codes, config.seed) if config.random_samples or config.bin_samples else None
 
     def on_coefficients(layer: int, coefficients: torch.Tensor) -> None:
         acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, flat).float()  # [N, d_ff]
@@ -236,7 +239,7 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
             got = acts[around.clamp(0, n_rows - 1), neurons[:, None]]
             return torch.where(inside, got, torch.full_like(got, float("nan")))
 
-        update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of)
+        update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of, keys=keys)
 
     capture_coefficients(model, ids, state.layers, on_coefficients)
     state.texts.add(batch.windows)

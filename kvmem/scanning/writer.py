@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from kvmem.atomic import staged_directory
 from kvmem.models import Model
@@ -33,11 +32,13 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                 overwrite: bool, phases, world: int = 1, keep_state: bool = False, run: dict | None = None) -> None:
     """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last."""
     layers = state.layers
-    with phases.phase("texts", total=1) as bar:
+    with phases.phase("texts", total=2) as bar:
         triggers = triggers_table(model, config, plan, state)
         bar.update()
+        samples = sample_tables(model, config, plan, state)
+        bar.update()
     tables = {"neurons": neurons_table(model, layers, state.layer_states), "triggers": triggers,
-              "histograms": histograms_table(layers, state.layer_states)}
+              "histograms": histograms_table(layers, state.layer_states), **samples}
     with phases.phase("projections", total=len(layers)) as bar:
         projections = cached_projection_files(model, layers, config, bar=bar)
 
@@ -143,17 +144,20 @@ def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[st
     return {name: np.concatenate(p) for name, p in parts.items()}
 
 
-def triggers_table(model: Model, config: ScanConfig, plan: TokenPlan, state) -> pa.Table:
-    """One row per kept trigger, its context cut from the window the model read (no second pass)."""
-    arrays = _trigger_arrays(state.layers, state.layer_states)
-    codes, inverse = np.unique(arrays["code"], return_inverse=True)
-    doc_u, pos_u = unpack(codes)
-    infos = trigger_texts(state.texts, doc_u, pos_u, window=plan.window, before=config.context_before,
-                          after=config.context_after, token_str=model.token_str)
+def _texts(model: Model, config: ScanConfig, plan: TokenPlan, state, codes: np.ndarray):
+    """(doc, pos, TriggerText of each) for sorted distinct codes."""
+    doc, pos = unpack(codes)
+    return doc, pos, trigger_texts(state.texts, doc, pos, window=plan.window, before=config.context_before,
+                                   after=config.context_after, token_str=model.token_str)
+
+
+def _text_columns(model: Model, infos: list, inverse: np.ndarray) -> dict[str, pa.Array]:
+    """The text columns of rows whose position is ``infos[inverse[row]]``."""
     vocab = model.vocab_strings
+    index = pa.array(inverse)
 
     def take(values, type_=None) -> pa.Array:
-        return pc.take(pa.array(values, type_), pa.array(inverse))
+        return pc.take(pa.array(values, type_), index)
 
     piece_lengths = np.array([len(t.pieces) for t in infos], np.int64)
     flat_pieces = pa.array([p for t in infos for p in t.pieces], pa.string())
@@ -161,40 +165,104 @@ def triggers_table(model: Model, config: ScanConfig, plan: TokenPlan, state) -> 
     lengths = piece_lengths[inverse]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     gather = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
-    context_tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pc.take(flat_pieces, pa.array(gather)))
-
-    matrix = arrays["context"]  # [T, width], NaN outside the window
-    if matrix.shape[1]:
-        valid = ~np.isnan(matrix)
-        act_lengths = valid.sum(axis=1)
-        flat = matrix[valid]
-    else:
-        act_lengths, flat = np.zeros(len(inverse), np.int64), np.empty(0, np.float32)
-    act_offsets = np.concatenate([[0], np.cumsum(act_lengths)]).astype(np.int64)
-    context_acts = pa.LargeListArray.from_arrays(pa.array(act_offsets), pa.array(flat.astype(np.float32)))
-
     token_ids = np.array([t.token_id for t in infos], np.int32)
     next_ids = np.array([t.next_token_id for t in infos], np.int32)
-    return pa.table({
-        "layer": arrays["layer"],
-        "neuron": arrays["neuron"],
-        "kind": pa.array(arrays["kind"].tolist(), pa.string()),
-        "rank": arrays["rank"],
-        "activation": arrays["activation"].astype(np.float32),
-        "doc": doc_u[inverse].astype(np.int64),
+    return {
         "doc_id": take([t.doc_id for t in infos], pa.string()),
-        "pos": pos_u[inverse].astype(np.int32),
-        "token_id": token_ids[inverse],
+        "token_id": pa.array(token_ids[inverse]),
         "token": take([vocab[i] for i in token_ids], pa.string()),
-        "next_token_id": next_ids[inverse],
+        "next_token_id": pa.array(next_ids[inverse]),
         "next_token": take([vocab[i] if i >= 0 else "" for i in next_ids], pa.string()),
         "context": take([t.context for t in infos], pa.string()),
-        "span_start": np.array([t.span[0] for t in infos], np.int32)[inverse],
-        "span_end": np.array([t.span[1] for t in infos], np.int32)[inverse],
-        "context_tokens": context_tokens,
-        "context_trigger": np.array([t.trigger_index for t in infos], np.int16)[inverse],
-        "context_activations": context_acts,
+        "span_start": pa.array(np.array([t.span[0] for t in infos], np.int32)[inverse]),
+        "span_end": pa.array(np.array([t.span[1] for t in infos], np.int32)[inverse]),
+        "context_tokens": pa.LargeListArray.from_arrays(pa.array(offsets), pc.take(flat_pieces, pa.array(gather))),
+        "context_trigger": pa.array(np.array([t.trigger_index for t in infos], np.int16)[inverse]),
+    }
+
+
+def _list_column(matrix: np.ndarray, rows: int) -> pa.Array:
+    """[T, width] float32 with NaN outside the window -> list<float32> of the valid entries per row."""
+    if matrix.shape[1]:
+        valid = ~np.isnan(matrix)
+        lengths, flat = valid.sum(axis=1), matrix[valid]
+    else:
+        lengths, flat = np.zeros(rows, np.int64), np.empty(0, np.float32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(np.float32)))
+
+
+def triggers_table(model: Model, config: ScanConfig, plan: TokenPlan, state) -> pa.Table:
+    """One row per kept trigger, its context cut from the window the model read (no second pass)."""
+    arrays = _trigger_arrays(state.layers, state.layer_states)
+    codes, inverse = np.unique(arrays["code"], return_inverse=True)
+    doc_u, pos_u, infos = _texts(model, config, plan, state, codes)
+    text = _text_columns(model, infos, inverse)
+    return pa.table({
+        "layer": arrays["layer"], "neuron": arrays["neuron"], "kind": pa.array(arrays["kind"].tolist(), pa.string()),
+        "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
+        "doc": doc_u[inverse].astype(np.int64), "doc_id": text["doc_id"], "pos": pos_u[inverse].astype(np.int32),
+        **{name: text[name] for name in ("token_id", "token", "next_token_id", "next_token", "context", "span_start",
+                                         "span_end", "context_tokens", "context_trigger")},
+        "context_activations": _list_column(arrays["context"], len(inverse)),
     })
+
+
+def _sample_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str, np.ndarray] | None:
+    """Flatten samples, sorted by (layer, neuron, kind (random, then bin), bin, rank); empty slots dropped."""
+    parts: dict[str, list[np.ndarray]] = {}
+
+    def add(**columns):
+        for name, values in columns.items():
+            parts.setdefault(name, []).append(values)
+
+    for layer in layers:
+        s = states[layer]
+        pieces = []
+        if s.random is not None:
+            codes = s.random.codes.cpu().numpy()
+            values = s.random.values.cpu().numpy().T  # [F, S]
+            context = s.random.context.cpu().numpy().transpose(1, 0, 2)  # [F, S, C]
+            d_ff, size = values.shape
+            keep = np.broadcast_to(codes >= 0, (d_ff, size)).reshape(-1)
+            pieces.append(dict(
+                neuron=np.repeat(np.arange(d_ff, dtype=np.int32), size)[keep], kind=np.zeros(keep.sum(), np.int8),
+                bin=np.full(keep.sum(), -1, np.int16), rank=np.tile(np.arange(size, dtype=np.int16), d_ff)[keep],
+                activation=values.reshape(-1)[keep], code=np.tile(codes, d_ff)[keep],
+                context=context.reshape(d_ff * size, -1)[keep]))
+        if s.bins is not None:
+            codes = s.bins.codes.cpu().numpy()  # [F, B, Q]
+            neuron, bin_, rank = np.nonzero(codes >= 0)
+            width = pieces[0]["context"].shape[1] if pieces else 0
+            pieces.append(dict(
+                neuron=neuron.astype(np.int32), kind=np.ones(len(neuron), np.int8), bin=bin_.astype(np.int16),
+                rank=rank.astype(np.int16), activation=s.bins.values.cpu().numpy()[neuron, bin_, rank],
+                code=codes[neuron, bin_, rank], context=np.full((len(neuron), width), np.nan, np.float32)))
+        if not pieces:
+            return None
+        merged = {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+        order = np.lexsort((merged["rank"], merged["bin"], merged["kind"], merged["neuron"]))
+        add(layer=np.full(len(order), layer, np.int16), **{name: values[order] for name, values in merged.items()})
+    return {name: np.concatenate(p) for name, p in parts.items()}
+
+
+def sample_tables(model: Model, config: ScanConfig, plan: TokenPlan, state) -> dict[str, pa.Table]:
+    """``samples`` (one row per sampled coefficient) and ``sample_contexts`` (one row per sampled position)."""
+    arrays = _sample_arrays(state.layers, state.layer_states)
+    if arrays is None:
+        return {}
+    codes, inverse = np.unique(arrays["code"], return_inverse=True)
+    doc_u, pos_u, infos = _texts(model, config, plan, state, codes)
+    samples = pa.table({
+        "layer": arrays["layer"], "neuron": arrays["neuron"],
+        "kind": pc.take(pa.array(["random", "bin"], pa.string()), pa.array(arrays["kind"].astype(np.int64))),
+        "bin": arrays["bin"], "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
+        "doc": doc_u[inverse].astype(np.int64), "pos": pos_u[inverse].astype(np.int32),
+        "context_activations": _list_column(arrays["context"], len(inverse)),
+    })
+    contexts = pa.table({"doc": doc_u.astype(np.int64), "pos": pos_u.astype(np.int32),
+                         **_text_columns(model, infos, np.arange(len(infos)))})
+    return {"samples": samples, "sample_contexts": contexts}
 
 
 def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, timing: dict) -> dict:
