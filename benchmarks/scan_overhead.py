@@ -1,7 +1,8 @@
 """Scan overhead: tokens/s of a full kvmem scan step against the bare forward over the same batches.
 
-Full scan step = all layers hooked, top and bottom k=25, moments, positive counts and histograms
-(`kvmem.scanning.accumulator.update`). Bare forward = the model's own forward with logits, and
+Full scan step = all layers hooked, top and bottom k=25 with context coefficients, moments, positive
+counts, histograms and the default samples (`kvmem.scanning.accumulator.update`). This is the
+streaming pass's bookkeeping alone: benchmarks/whole_scan.py measures the whole command. Bare forward = the model's own forward with logits, and
 also the forward stopped after the last FFN's coefficients (what the scan computes).
 The three are alternated batch by batch and repeated; the ratio is scan tok/s over bare tok/s.
 
@@ -18,9 +19,10 @@ import torch
 from common import Timer, machine, token_batches
 
 import kvmem
-from kvmem.scanning.accumulator import new_layer_state, pack, update
+from kvmem.plan import pack
+from kvmem.scanning.accumulator import new_layer_state, update
 from kvmem.scanning.capture import capture_coefficients
-from kvmem.scanning.histogram import HIST_BINS
+from kvmem.scanning.sampling import position_keys
 
 
 def main() -> None:
@@ -35,8 +37,9 @@ def main() -> None:
     batches = token_batches(model, args.tokens, batch_size=args.batch_size)
     layers = list(range(model.n_layers))
     device = model.device  # a GPU when one is present: bookkeeping stays on the device
-    states = {layer: new_layer_state(model.d_ff, 25, per_document=False, device=device) for layer in layers}
-    offsets = torch.arange(model.d_ff, dtype=torch.int32, device=device) * HIST_BINS
+    # the scan's defaults: k=25, 17 context coefficients, 20 random samples, 4 per histogram bin at rate 1/8
+    states = {layer: new_layer_state(model.d_ff, 25, per_document=False, context_width=17, device=device,
+                                     random_samples=20, bin_samples=4) for layer in layers}
 
     def bare(ids):
         with torch.inference_mode():
@@ -50,17 +53,26 @@ def main() -> None:
     def scan_step(ids):
         b, n = ids.shape
         flat = torch.arange(b * n, device=device).view(b, n)[:, 1:].reshape(-1)  # every position but BOS
-        docs = torch.arange(b, device=device).repeat_interleave(n - 1)
+        docs = torch.arange(b, device=device).repeat_interleave(n - 1) + scan_step.batches * b
         codes = pack(docs, flat % n)
+        keys = position_keys(codes, 0)
+        steps = torch.arange(-12, 5, device=device)
+        scan_step.batches += 1
 
         def on(layer, m):
             acts = m.reshape(-1, m.shape[-1]).index_select(0, flat)
-            update(states[layer], acts, codes, docs, offsets)
+
+            def context_fn(rows, neurons):  # the runner's rule: the neuron's coefficients around each row
+                around = (rows[:, None] + steps[None, :]).clamp(0, acts.shape[0] - 1)
+                return acts[around, neurons[:, None]]
+
+            update(states[layer], acts, codes, context_fn, docs=docs, keys=keys)
 
         capture_coefficients(model, ids, layers, on)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    scan_step.batches = 0
     bare(batches[0]), truncated(batches[0]), scan_step(batches[0])  # warm-up
     seconds = {"bare": [], "truncated": [], "scan": []}
     tokens = sum(ids.shape[0] * (ids.shape[1] - 1) for ids in batches)

@@ -217,7 +217,7 @@ def _renormalise(acc: Tensor) -> None:
 
 
 def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *, docs: Tensor | None = None,
-           keys: Tensor | None = None, dense_factor: int = 2) -> None:
+           keys: Tensor | None = None) -> None:
     """Fold one batch of coefficients into the state.
 
     acts [N, F] float32, the scored positions in reading order; codes [N] int64, increasing;
@@ -229,7 +229,7 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
         return
     acts = acts.float()
     for side in (state.top, state.bottom):
-        _stream_side(side, acts, codes, context_fn, dense_factor)
+        _stream_side(side, acts, codes, context_fn)
 
     state.count += acts.shape[0]
     _two_sum_into(state.total, acts.sum(dim=0, dtype=torch.float64))
@@ -247,12 +247,12 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
         state.bins.update(acts, codes, keys)
 
 
-def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, dense_factor: int) -> None:
+def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn) -> None:
     """Insert the positions that beat the side's current k-th value (sparse: few do after a while)."""
     k, d_ff = side.values.shape
     threshold = side.threshold()
     mask = acts > threshold if side.largest else acts < threshold  # [N, F]
-    if acts.shape[0] > k and int(mask.count_nonzero()) > dense_factor * k * d_ff:  # early: this batch's k best
+    if acts.shape[0] > k and bool(torch.isinf(threshold).any()):  # not yet full: cut to this batch's k best
         kth = torch.topk(acts, k, dim=0, largest=side.largest, sorted=False).values
         mask &= (acts >= kth.min(0).values) if side.largest else (acts <= kth.max(0).values)
     neurons, rows = mask.T.nonzero(as_tuple=True)  # by neuron, then row: so by code within each neuron

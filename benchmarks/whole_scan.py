@@ -1,0 +1,88 @@
+"""What a user waits for: the whole ``kvmem.scan`` against the bare forward over the same windows.
+
+Whole scan = ``kvmem.scan`` with default settings (streaming, trigger texts, context coefficients,
+samples, projections, writing the atlas), timed from after the model load to the atlas on disk.
+Bare forward = the HF model's own forward *with logits* over exactly the batches the scan reads
+(the tokenization plan's batches), in the same process. Both run twice (bare, scan, bare, scan);
+the figure is the median of each. The ratio is bare seconds / scan seconds (1.0 = the scan costs
+no more than reading the corpus with the model). The first scan of a model also fills the
+per-model projection cache; it is reported apart (``--cold`` uses an empty cache for it).
+
+    python benchmarks/whole_scan.py --model smollm2-135m --tokens 20000 [--cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+
+import torch
+from common import Timer, machine, peak_rss_mb
+
+import kvmem
+from kvmem.plan import Batch, StreamPosition, iterate_batches
+from kvmem.scanning.config import ScanConfig
+from kvmem.scanning.runner import token_plan
+
+
+def bare_forward(model, corpus: str, tokens: int) -> float:
+    """Seconds of the HF forward (with logits) over the scan's own batches."""
+    plan = token_plan(model, ScanConfig(max_tokens=tokens))
+    batches = []
+    for item in iterate_batches(kvmem.corpus.open_corpus(corpus), model.tokenizer, plan, StreamPosition()):
+        if isinstance(item, Batch):
+            width = max(len(w.tokens) for w in item.windows) + plan.offset
+            ids = torch.zeros((len(item.windows), width), dtype=torch.int64)
+            for row, w in enumerate(item.windows):
+                ids[row, :plan.offset + len(w.tokens)] = torch.tensor(plan.model_input(w.tokens))
+            batches.append(ids)
+    with Timer() as timer, torch.inference_mode():
+        for ids in batches:
+            model.hf_model(ids.to(model.device)).logits.sum().item()
+    return timer.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--corpus", default="pydoc")
+    parser.add_argument("--tokens", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cold", action="store_true", help="first scan with an empty projection cache")
+    args = parser.parse_args()
+
+    model = kvmem.load_model(args.model)
+    out = tempfile.mkdtemp(prefix="kvmem-bench-")
+    cold = None
+    if args.cold:
+        cache = tempfile.mkdtemp(prefix="kvmem-bench-cache-")
+        os.environ["KVMEM_CACHE"] = cache  # the model is loaded: only the projection cache starts empty
+        with Timer() as timer:
+            kvmem.scan(model, args.corpus, out=f"{out}/cold", max_tokens=args.tokens, progress=False)
+        cold = round(timer.seconds, 1)
+    bare, whole, phases = [], [], []
+    for _ in range(args.repeats):
+        bare.append(bare_forward(model, args.corpus, args.tokens))
+        with Timer() as timer:
+            atlas = kvmem.scan(model, args.corpus, out=f"{out}/warm", overwrite=True, max_tokens=args.tokens,
+                               progress=False)
+        whole.append(timer.seconds)
+        phases.append(atlas.manifest["timing"]["phases"])
+    shutil.rmtree(out, ignore_errors=True)
+    bare_s, whole_s = statistics.median(bare), statistics.median(whole)
+    result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 1),
+              "scan_seconds": round(whole_s, 1), "ratio": round(bare_s / whole_s, 3),
+              "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
+              "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
+    print(f"{args.model}, {args.tokens:,} tokens: whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
+          f"ratio {result['ratio']:.2f}; phases {result['phases']}"
+          + (f"; first scan with an empty projection cache {cold} s" if cold else ""))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
