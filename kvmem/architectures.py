@@ -1,7 +1,9 @@
 """One table that maps each supported architecture to its FFN parts.
 
-Nothing else in kvmem reaches into a model's module tree or formats a hook name: every
-accessor in :class:`kvmem.models.Model` goes through :func:`get_spec` and :func:`hook_name`.
+Only :class:`kvmem.models.Model` reaches into a model's module tree, through :func:`get_spec`;
+hook names (FFN sites and the residual stream around them) are formatted only by :func:`hook_name`,
+which ``Model.hook_name`` wraps. (Exceptions still to be routed here: ``kvmem.experiments.composition``
+formats ``blocks.L.hook_resid_*`` names itself.)
 
 Notation (also in README): for layer L with ``d_ff`` slots,
 - key k_i      = row i of W1 (plain FFN) or of W_up (gated FFN)      [d_ff, d_model]
@@ -121,21 +123,24 @@ ACTIVATIONS: dict[str, str] = {
     "relu": "ReLU",
 }
 
-# hook sites of an FFN, named as TransformerLens names them
+# hook sites of a block (its FFN and the residual stream around it), as TransformerLens names them
 HOOK_SITES = {
-    "in": "hook_in",  # FFN input (after the pre-FFN norm)      [batch, pos, d_model]
-    "pre": "hook_pre",  # W1 x + b1, or the gate W_gate x        [batch, pos, d_ff]
-    "pre_linear": "hook_pre_linear",  # W_up x (gated only)       [batch, pos, d_ff]
-    "post": "hook_post",  # memory coefficients m                [batch, pos, d_ff]
-    "out": "hook_out",  # FFN output Σ m_i v_i + b2             [batch, pos, d_model]
+    "in": "mlp.hook_in",  # FFN input (after the pre-FFN norm)      [batch, pos, d_model]
+    "pre": "mlp.hook_pre",  # W1 x + b1, or the gate W_gate x        [batch, pos, d_ff]
+    "pre_linear": "mlp.hook_pre_linear",  # W_up x (gated only)       [batch, pos, d_ff]
+    "post": "mlp.hook_post",  # memory coefficients m                [batch, pos, d_ff]
+    "out": "mlp.hook_out",  # FFN output Σ m_i v_i + b2             [batch, pos, d_model]
+    "resid_pre": "hook_resid_pre",  # residual entering the block    [batch, pos, d_model]
+    "resid_mid": "hook_resid_mid",  # residual before the FFN         [batch, pos, d_model]
+    "resid_post": "hook_resid_post",  # residual after the FFN        [batch, pos, d_model]
 }
 
 
 def hook_name(layer: int, site: str = "post") -> str:
-    """TransformerLens hook name of an FFN site, e.g. ``blocks.6.mlp.hook_post``."""
+    """TransformerLens hook name of a block site, e.g. ``blocks.6.mlp.hook_post`` or ``blocks.6.hook_resid_mid``."""
     if site not in HOOK_SITES:
-        raise KvmemError(f"unknown FFN hook site {site!r}; choose one of {sorted(HOOK_SITES)}")
-    return f"blocks.{layer}.mlp.{HOOK_SITES[site]}"
+        raise KvmemError(f"unknown hook site {site!r}; choose one of {', '.join(HOOK_SITES)}")
+    return f"blocks.{layer}.{HOOK_SITES[site]}"
 
 
 def get_spec(model_type: str) -> ArchitectureSpec:

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 
 __all__ = [
@@ -130,15 +131,15 @@ def plot_trigger_activations(triggers_frame, *, ax=None):
 def plot_value_projection(values_frame, *, ax=None, convention: str | None = None, n: int = 10):
     """Tokens a value promotes (orange) and suppresses (blue), ``n`` each, for one convention.
 
-    ``values_frame``: ``atlas.values(L, N)``. ``convention``: default ``final_norm`` if present,
-    else the first in the frame; the title names it.
+    ``values_frame``: ``atlas.values(L, N)``. ``convention``: default
+    :data:`kvmem.conventions.DEFAULT_CONVENTION` if present, else the first in the frame; the title names it.
     """
     _require(values_frame, ["kind", "token", "score"], "plot_value_projection")
     frame = values_frame
     if "convention" in frame.columns and len(frame):
         stored = list(dict.fromkeys(frame.convention))
         if convention is None:
-            convention = "final_norm" if "final_norm" in stored else stored[0]
+            convention = DEFAULT_CONVENTION if DEFAULT_CONVENTION in stored else stored[0]
         if convention not in stored:
             raise KvmemError(f"convention {convention!r} is not in this frame; it holds {', '.join(stored)}")
         frame = frame[frame.convention == convention]
