@@ -99,6 +99,13 @@ def test_text_helpers():
     assert md_code("a|b") == "`a\\|b`" and md_code("``x") == "``` ``x ```" and md_code(" ") == "`␣`"
 
 
+def test_default_convention_is_the_registry_default_else_what_the_atlas_has(atlas):
+    assert atlas.default_convention == DEFAULT_CONVENTION and atlas.provenance()["convention"] == DEFAULT_CONVENTION
+    raw_only = Atlas(atlas.path)
+    raw_only.manifest = {**atlas.manifest, "scan": {**atlas.manifest["scan"], "conventions": ["raw"]}}
+    assert raw_only.default_convention == "raw" == raw_only.provenance()["convention"]
+
+
 def test_json_schema_matches_atlas(atlas, best, tmp_path):
     layer, neuron = best[0]
     path = export_neuron(atlas, layer, neuron, format="json", out=tmp_path)

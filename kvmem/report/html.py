@@ -195,11 +195,26 @@ def render_neuron(data: dict, figures: list) -> str:
     by_name = {figure.name: figure for figure in figures}
     body = (_header(data) + _stats(data, by_name) + _triggers(data, by_name) + _values(data, by_name) + _keys(data)
             + _agreement(data))
+    footer = (f'Written by kvmem {esc(_version())} from the atlas <span class="mono">{esc(data["provenance"]["atlas"])}'
+              "</span>; schema kvmem.neuron/1. Every number comes from the atlas files; nothing is fetched.")
+    return _page(f"L{data['layer']}/{data['neuron']} · {data['provenance']['model']}", body, footer)
+
+
+def _version() -> str:
     from kvmem import __version__
 
-    return Template(template("neuron.html")).substitute(
-        title=esc(f"L{data['layer']}/{data['neuron']} · {data['provenance']['model']}"), css=template("report.css"),
-        body=body, version=esc(__version__), atlas=esc(data["provenance"]["atlas"]))
+    return __version__
+
+
+def _page(title: str, body: str, footer: str, *, script: str | None = None) -> str:
+    """A whole page from ``templates/page.html``: ``body`` and ``footer`` are HTML; a ``script`` is allowed by its hash."""
+    policy, tag = "", ""
+    if script is not None:
+        digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+        policy, tag = f"; script-src 'sha256-{digest}'", f"<script>{script}</script>"
+    return Template(template("page.html")).substitute(
+        title=esc(title), css=template("report.css"), body=body, footer=footer, script_policy=policy, script=tag,
+        version=esc(_version()))
 
 
 def write_neuron(record, data: dict, out: Path, stem: str) -> Path:
@@ -213,8 +228,6 @@ def write_neuron(record, data: dict, out: Path, stem: str) -> Path:
 
 def render_index(rows: list[dict], provenance: dict) -> str:
     """The sortable index page of ``kvmem.index/1`` rows (its only script is ``templates/index.js``, CSP-hashed)."""
-    from kvmem import __version__
-
     p = provenance
     head = "".join(f'<th class="sortable num" data-key="{key}">{label}</th>' for label, key, _ in INDEX_COLUMNS)
     body = []
@@ -235,8 +248,5 @@ def render_index(rows: list[dict], provenance: dict) -> str:
                  f"{p['tokens']:,} tokens · {len(rows)} neurons</p>"
                  f'<p class="note">Model fingerprint <span class="mono">{esc(p["fingerprint"])}</span>; atlas written by '
                  f"kvmem {esc(p['kvmem_version'])}. Active: fraction of positions with m &gt; 0.</p>{table}")
-    script = template("index.js")
-    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
-    return Template(template("index.html")).substitute(
-        title=esc(title), css=template("report.css"), body=body_html, script=script,
-        script_hash=f"sha256-{digest}", version=esc(__version__))
+    footer = f"Written by kvmem {esc(_version())}. Click a column heading to sort. Each row links to its report."
+    return _page(title, body_html, footer, script=template("index.js"))
