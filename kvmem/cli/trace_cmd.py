@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("text", help="the prompt")
     else:
         parser.add_argument("--set", dest="edits", action="append", default=[], metavar="LAYER:NEURON=VALUE",
-                            help="set the coefficient of one neuron; repeat for several")
+                            help="edit the coefficient of one neuron (see --mode); repeat for several")
         parser.add_argument("--mode", default="set", choices=["set", "scale", "add"],
                             help="set (m = VALUE), scale (m *= VALUE) or add (m += VALUE); default set")
         parser.add_argument("--position", dest="positions", type=int, action="append", default=None,
