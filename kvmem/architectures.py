@@ -1,7 +1,9 @@
 """One table that maps each supported architecture to its FFN parts.
 
-Nothing else in kvmem reaches into a model's module tree or formats a hook name: every
-accessor in :class:`kvmem.models.Model` goes through :func:`get_spec` and :func:`hook_name`.
+Only :class:`kvmem.models.Model` reaches into a model's module tree, through :func:`get_spec`;
+hook names (FFN sites and the residual stream around them) are formatted only by :func:`hook_name`,
+which ``Model.hook_name`` wraps. (Exceptions still to be routed here: ``kvmem.experiments.composition``
+formats ``blocks.L.hook_resid_*`` names itself.)
 
 Notation (also in README): for layer L with ``d_ff`` slots,
 - key k_i      = row i of W1 (plain FFN) or of W_up (gated FFN)      [d_ff, d_model]
@@ -23,85 +25,45 @@ __all__ = ["ArchitectureSpec", "ARCHITECTURES", "ACTIVATIONS", "get_spec", "hook
 NormKind = Literal["layernorm", "rmsnorm"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ArchitectureSpec:
-    """Where the FFN parts of one HF architecture live (module paths relative to the model)."""
+    """Where the FFN parts of one HF architecture live (module paths relative to the model).
+
+    Defaults are the common case (a Linear FFN at ``mlp``, LayerNorm, ``lm_head``); a row names the rest.
+    """
 
     family: str  # short name shown to users
     layers: str  # path of the ModuleList of blocks
-    mlp: str  # path of the FFN inside a block
     attention: str  # path of the attention sublayer inside a block
     key: str  # W1 / W_up, inside the FFN
     value: str  # W2 / W_down, inside the FFN
-    gate: str | None  # W_gate inside the FFN, None for a plain FFN
-    conv1d: bool  # HF Conv1D stores weights as (in, out): transpose to (out, in)
     embedding: str  # input embedding module (weight [vocab, d_model])
     final_norm: str  # final norm module before the unembedding
-    norm_kind: NormKind
-    norm_gain_offset: float  # Gemma's RMSNorm multiplies by (1 + weight)
-    unembedding: str  # lm_head (weight [vocab, d_model])
-    activation_fields: tuple[str, ...]  # config fields naming the activation, first found wins
-    n_ctx_fields: tuple[str, ...]
+    mlp: str = "mlp"  # path of the FFN inside a block
+    gate: str | None = None  # W_gate inside the FFN, None for a plain FFN
+    conv1d: bool = False  # HF Conv1D stores weights as (in, out): transpose to (out, in)
+    norm_kind: NormKind = "layernorm"
+    norm_gain_offset: float = 0.0  # Gemma's RMSNorm multiplies by (1 + weight)
+    unembedding: str = "lm_head"  # lm_head (weight [vocab, d_model])
+    activation_fields: tuple[str, ...] = ("hidden_act",)  # config fields naming the activation, first found wins
+    n_ctx_fields: tuple[str, ...] = ("max_position_embeddings",)
 
 
 def _llama_like(family: str, **overrides) -> ArchitectureSpec:
-    fields = dict(
-        family=family,
-        layers="model.layers",
-        mlp="mlp",
-        attention="self_attn",
-        key="up_proj",
-        value="down_proj",
-        gate="gate_proj",
-        conv1d=False,
-        embedding="model.embed_tokens",
-        final_norm="model.norm",
-        norm_kind="rmsnorm",
-        norm_gain_offset=0.0,
-        unembedding="lm_head",
-        activation_fields=("hidden_act",),
-        n_ctx_fields=("max_position_embeddings",),
-    )
+    fields = dict(family=family, layers="model.layers", attention="self_attn", key="up_proj", value="down_proj",
+                  gate="gate_proj", embedding="model.embed_tokens", final_norm="model.norm", norm_kind="rmsnorm")
     fields.update(overrides)
     return ArchitectureSpec(**fields)
 
 
 # HF config.model_type -> spec
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
-    "gpt2": ArchitectureSpec(
-        family="gpt2",
-        layers="transformer.h",
-        mlp="mlp",
-        attention="attn",
-        key="c_fc",
-        value="c_proj",
-        gate=None,
-        conv1d=True,
-        embedding="transformer.wte",
-        final_norm="transformer.ln_f",
-        norm_kind="layernorm",
-        norm_gain_offset=0.0,
-        unembedding="lm_head",
-        activation_fields=("activation_function",),
-        n_ctx_fields=("n_positions", "n_ctx"),
-    ),
-    "gpt_neox": ArchitectureSpec(
-        family="gpt_neox",
-        layers="gpt_neox.layers",
-        mlp="mlp",
-        attention="attention",
-        key="dense_h_to_4h",
-        value="dense_4h_to_h",
-        gate=None,
-        conv1d=False,
-        embedding="gpt_neox.embed_in",
-        final_norm="gpt_neox.final_layer_norm",
-        norm_kind="layernorm",
-        norm_gain_offset=0.0,
-        unembedding="embed_out",
-        activation_fields=("hidden_act",),
-        n_ctx_fields=("max_position_embeddings",),
-    ),
+    "gpt2": ArchitectureSpec(family="gpt2", layers="transformer.h", attention="attn", key="c_fc", value="c_proj",
+                             conv1d=True, embedding="transformer.wte", final_norm="transformer.ln_f",
+                             activation_fields=("activation_function",), n_ctx_fields=("n_positions", "n_ctx")),
+    "gpt_neox": ArchitectureSpec(family="gpt_neox", layers="gpt_neox.layers", attention="attention",
+                                 key="dense_h_to_4h", value="dense_4h_to_h", embedding="gpt_neox.embed_in",
+                                 final_norm="gpt_neox.final_layer_norm", unembedding="embed_out"),
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "qwen2": _llama_like("qwen2"),
@@ -121,21 +83,24 @@ ACTIVATIONS: dict[str, str] = {
     "relu": "ReLU",
 }
 
-# hook sites of an FFN, named as TransformerLens names them
+# hook sites of a block (its FFN and the residual stream around it), as TransformerLens names them
 HOOK_SITES = {
-    "in": "hook_in",  # FFN input (after the pre-FFN norm)      [batch, pos, d_model]
-    "pre": "hook_pre",  # W1 x + b1, or the gate W_gate x        [batch, pos, d_ff]
-    "pre_linear": "hook_pre_linear",  # W_up x (gated only)       [batch, pos, d_ff]
-    "post": "hook_post",  # memory coefficients m                [batch, pos, d_ff]
-    "out": "hook_out",  # FFN output Σ m_i v_i + b2             [batch, pos, d_model]
+    "in": "mlp.hook_in",  # FFN input (after the pre-FFN norm)      [batch, pos, d_model]
+    "pre": "mlp.hook_pre",  # W1 x + b1, or the gate W_gate x        [batch, pos, d_ff]
+    "pre_linear": "mlp.hook_pre_linear",  # W_up x (gated only)       [batch, pos, d_ff]
+    "post": "mlp.hook_post",  # memory coefficients m                [batch, pos, d_ff]
+    "out": "mlp.hook_out",  # FFN output Σ m_i v_i + b2             [batch, pos, d_model]
+    "resid_pre": "hook_resid_pre",  # residual entering the block    [batch, pos, d_model]
+    "resid_mid": "hook_resid_mid",  # residual before the FFN         [batch, pos, d_model]
+    "resid_post": "hook_resid_post",  # residual after the FFN        [batch, pos, d_model]
 }
 
 
 def hook_name(layer: int, site: str = "post") -> str:
-    """TransformerLens hook name of an FFN site, e.g. ``blocks.6.mlp.hook_post``."""
+    """TransformerLens hook name of a block site, e.g. ``blocks.6.mlp.hook_post`` or ``blocks.6.hook_resid_mid``."""
     if site not in HOOK_SITES:
-        raise KvmemError(f"unknown FFN hook site {site!r}; choose one of {sorted(HOOK_SITES)}")
-    return f"blocks.{layer}.mlp.{HOOK_SITES[site]}"
+        raise KvmemError(f"unknown hook site {site!r}; choose one of {', '.join(HOOK_SITES)}")
+    return f"blocks.{layer}.{HOOK_SITES[site]}"
 
 
 def get_spec(model_type: str) -> ArchitectureSpec:

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.schema import READABLE_VERSIONS, SAMPLE_KINDS, TABLES, TRIGGER_KINDS
 
@@ -118,10 +119,15 @@ class Atlas:
     def conventions(self) -> list[str]:
         return list(self.manifest["scan"]["conventions"])
 
+    @property
+    def default_convention(self) -> str:
+        """:data:`kvmem.conventions.DEFAULT_CONVENTION` if this atlas holds it, else its first convention."""
+        return DEFAULT_CONVENTION if DEFAULT_CONVENTION in self.conventions else self.conventions[0]
+
     def provenance(self, convention: str | None = None) -> dict:
         m = self.manifest
         return {"model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"], "corpus": m["corpus"]["spec"],
-                "tokens": m["tokens"], "convention": convention or self.conventions[-1],
+                "tokens": m["tokens"], "convention": convention or self.default_convention,
                 "kvmem_version": m["kvmem_version"], "atlas": str(self.path)}
 
     def __repr__(self) -> str:
@@ -274,7 +280,7 @@ class Atlas:
         """
         token_id = self.token_id(token, tokenizer=tokenizer)
         if by == "value":
-            convention = convention or self.conventions[-1]
+            convention = convention or self.default_convention
             if convention not in self.conventions:
                 raise KvmemError(f"convention {convention!r} is not in this atlas; it has {', '.join(self.conventions)}")
             hits = self._rows_for_token("values", token_id, convention=convention)

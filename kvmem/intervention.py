@@ -54,27 +54,27 @@ def _as_index(value: Any, what: str) -> int:
 
 
 def _plan(model: Model, edits: Mapping, mode: str) -> dict[int, tuple[list[int], list[float]]]:
-    """Validated edits grouped by layer: {layer: ([slot, ...], [value, ...])}."""
+    """Validated edits grouped by layer: {layer: ([neuron, ...], [value, ...])}."""
     if mode not in MODES:
         raise KvmemError(f"unknown intervention mode {mode!r}; choose one of {', '.join(MODES)}")
     if not isinstance(edits, Mapping):
-        raise KvmemError(f"edits must be a dict {{(layer, slot): value}}, got {type(edits).__name__}")
+        raise KvmemError(f"edits must be a dict {{(layer, neuron): value}}, got {type(edits).__name__}")
     plan: dict[int, tuple[list[int], list[float]]] = {}
     for key, value in edits.items():
         if not isinstance(key, tuple) or len(key) != 2:
-            raise KvmemError(f"each edit key must be a (layer, slot) pair, got {key!r}")
-        layer, slot = _as_index(key[0], "layer"), _as_index(key[1], "slot")
+            raise KvmemError(f"each edit key must be a (layer, neuron) pair, got {key!r}")
+        layer, neuron = _as_index(key[0], "layer"), _as_index(key[1], "neuron")
         if not 0 <= layer < model.n_layers:
             raise KvmemError(f"layer {layer} is out of range; this model has layers 0..{model.n_layers - 1}")
-        if not 0 <= slot < model.d_ff:
-            raise KvmemError(f"slot {slot} (layer {layer}) is out of range; this model has slots "
+        if not 0 <= neuron < model.d_ff:
+            raise KvmemError(f"neuron {neuron} (layer {layer}) is out of range; this model has neurons "
                              f"0..{model.d_ff - 1} per layer (d_ff={model.d_ff})")
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise KvmemError(f"edit value for {key} must be a real number, got {value!r}")
         if not math.isfinite(float(value)):
             raise KvmemError(f"edit value for {key} must be finite, got {value!r}")
-        slots, values = plan.setdefault(layer, ([], []))
-        slots.append(slot)
+        neurons, values = plan.setdefault(layer, ([], []))
+        neurons.append(neuron)
         values.append(float(value))
     return plan
 
@@ -115,7 +115,7 @@ def _offset(args: tuple, kwargs: dict) -> int:
     return 0
 
 
-def _edit_hook(slots: list[int], values: list[float], mode: str, positions: list[int] | None, state: dict):
+def _edit_hook(neurons: list[int], values: list[float], mode: str, positions: list[int] | None, state: dict):
     import torch
 
     def hook(tensor: Tensor, hook) -> Tensor:  # tensor [batch, pos, d_ff]: coefficients m
@@ -130,17 +130,17 @@ def _edit_hook(slots: list[int], values: list[float], mode: str, positions: list
         if not local:
             return tensor
         index_pos = torch.tensor(local, device=tensor.device)[:, None]  # [n_pos, 1]
-        index_slot = torch.tensor(slots, device=tensor.device)[None, :]  # [1, n_slots]
-        value = torch.tensor(values, device=tensor.device, dtype=tensor.dtype)  # [n_slots]
+        index_neuron = torch.tensor(neurons, device=tensor.device)[None, :]  # [1, n_neurons]
+        value = torch.tensor(values, device=tensor.device, dtype=tensor.dtype)  # [n_neurons]
         edited = tensor.clone()
-        current = edited[..., index_pos, index_slot]  # [batch, n_pos, n_slots]
+        current = edited[..., index_pos, index_neuron]  # [batch, n_pos, n_neurons]
         if mode == "set":
             new = value.expand_as(current)
         elif mode == "scale":
             new = current * value
         else:
             new = current + value
-        edited[..., index_pos, index_slot] = new
+        edited[..., index_pos, index_neuron] = new
         return edited
 
     return hook
@@ -151,7 +151,7 @@ def intervene(model: Model, edits: Mapping[tuple[int, int], float], *, positions
               mode: str = "set") -> Iterator[Model]:
     """Edit memory coefficients m_i during every forward pass inside the block.
 
-    ``edits``: {(layer, slot): value}. ``mode``: ``set`` (m_i = value), ``scale`` (m_i *= value)
+    ``edits``: {(layer, neuron): value}. ``mode``: ``set`` (m_i = value), ``scale`` (m_i *= value)
     or ``add`` (m_i += value). ``positions``: None edits every position; else a list of absolute
     token indices (negative: from the end of the sequence in each forward pass; see the module
     docstring for generation with a KV cache). An empty ``edits`` adds no hooks. Hooks are
@@ -177,8 +177,8 @@ def intervene(model: Model, edits: Mapping[tuple[int, int], float], *, positions
     try:
         handles.append(model.hf_model.register_forward_pre_hook(before_forward, with_kwargs=True))
         handles.append(model.hf_model.register_forward_hook(after_forward, always_call=True))
-        fwd_hooks = [(model.hook_name(layer, "post"), _edit_hook(slots, values, mode, checked, state))
-                     for layer, (slots, values) in plan.items()]
+        fwd_hooks = [(model.hook_name(layer, "post"), _edit_hook(neurons, values, mode, checked, state))
+                     for layer, (neurons, values) in plan.items()]
         with model.bridge.hooks(fwd_hooks=fwd_hooks):
             yield model
     finally:

@@ -24,9 +24,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["load_model", "Model", "FinalNorm", "HUB_GPT2_IDS"]
-
-HUB_GPT2_IDS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2")
+__all__ = ["load_model", "Model", "FinalNorm"]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 
 __all__ = [
@@ -20,7 +21,7 @@ __all__ = [
     "POSITIVE",
     "plot_activation_functions",
     "plot_histogram",
-    "plot_layer_slot_overview",
+    "plot_layer_neuron_overview",
     "plot_layer_summary",
     "plot_trigger_activations",
     "plot_value_projection",
@@ -130,15 +131,15 @@ def plot_trigger_activations(triggers_frame, *, ax=None):
 def plot_value_projection(values_frame, *, ax=None, convention: str | None = None, n: int = 10):
     """Tokens a value promotes (orange) and suppresses (blue), ``n`` each, for one convention.
 
-    ``values_frame``: ``atlas.values(L, N)``. ``convention``: default ``final_norm`` if present,
-    else the first in the frame; the title names it.
+    ``values_frame``: ``atlas.values(L, N)``. ``convention``: default
+    :data:`kvmem.conventions.DEFAULT_CONVENTION` if present, else the first in the frame; the title names it.
     """
     _require(values_frame, ["kind", "token", "score"], "plot_value_projection")
     frame = values_frame
     if "convention" in frame.columns and len(frame):
         stored = list(dict.fromkeys(frame.convention))
         if convention is None:
-            convention = "final_norm" if "final_norm" in stored else stored[0]
+            convention = DEFAULT_CONVENTION if DEFAULT_CONVENTION in stored else stored[0]
         if convention not in stored:
             raise KvmemError(f"convention {convention!r} is not in this frame; it holds {', '.join(stored)}")
         frame = frame[frame.convention == convention]
@@ -162,8 +163,8 @@ def plot_value_projection(values_frame, *, ax=None, convention: str | None = Non
 def plot_layer_summary(neurons_frame, *, axes=None):
     """Per-layer summary of ``atlas.neurons``; returns the Figure (three panels).
 
-    Panels: (a) fraction of positions with m > 0 (mean over slots, 10-90% band); (b) coefficients:
-    mean of the slot means, median and largest slot max; (c) vector norms: mean ||v|| (10-90% band)
+    Panels: (a) fraction of positions with m > 0 (mean over neurons, 10-90% band); (b) coefficients:
+    mean of the neuron means, median and largest neuron max; (c) vector norms: mean ||v|| (10-90% band)
     and mean ||k||. ``axes``: three Axes to draw into (default: a new figure).
     """
     _require(neurons_frame, ["layer", "frac_positive", "mean", "max", "value_norm", "key_norm"], "plot_layer_summary")
@@ -184,11 +185,11 @@ def plot_layer_summary(neurons_frame, *, axes=None):
     band(axes[0], "frac_positive", POSITIVE, "mean (10–90%)")
     axes[0].set_ylabel("fraction $m>0$")
     axes[1].plot(layers, grouped["mean"].mean().to_numpy(), "o-", color=_INK, markersize=3, linewidth=1.2,
-                 label="mean of slot means")
+                 label="mean of neuron means")
     axes[1].plot(layers, grouped["max"].median().to_numpy(), "s-", color=POSITIVE, markersize=3, linewidth=1.2,
-                 label="median slot max")
+                 label="median neuron max")
     axes[1].plot(layers, grouped["max"].max().to_numpy(), "^--", color=POSITIVE, markersize=3, linewidth=1.0,
-                 label="largest slot max")
+                 label="largest neuron max")
     axes[1].set_ylabel("coefficient")
     band(axes[2], "value_norm", NEGATIVE, "‖v‖ (10–90%)")
     axes[2].plot(layers, grouped["key_norm"].mean().to_numpy(), "s--", color=_INK, markersize=3, linewidth=1.0,
@@ -202,8 +203,8 @@ def plot_layer_summary(neurons_frame, *, axes=None):
     return axes[0].figure
 
 
-def plot_layer_slot_overview(neurons_frame, *, column: str = "max", ax=None):
-    """A layer × slot image of one ``atlas.neurons`` column (diverging colours around 0 when signed)."""
+def plot_layer_neuron_overview(neurons_frame, *, column: str = "max", ax=None):
+    """A layer × neuron image of one ``atlas.neurons`` column (diverging colours around 0 when signed)."""
     numeric = [c for c in neurons_frame.columns if c not in ("layer", "neuron")
                and pd.api.types.is_numeric_dtype(neurons_frame[c])]
     if column not in numeric:
@@ -222,7 +223,7 @@ def plot_layer_slot_overview(neurons_frame, *, column: str = "max", ax=None):
     layers = grid.index.to_numpy()
     ticks = np.arange(len(layers)) if len(layers) <= 12 else np.linspace(0, len(layers) - 1, 7).round().astype(int)
     ax.set_yticks(ticks, [str(layers[t]) for t in ticks])
-    ax.set_xlabel("slot")
+    ax.set_xlabel("neuron")
     ax.set_ylabel("layer")
     ax.figure.colorbar(image, ax=ax, label=column, shrink=0.9)
     _tidy(ax)

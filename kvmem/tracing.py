@@ -2,8 +2,8 @@
 
 For one position of one prompt, :func:`trace` reads every layer's coefficients m (``hook_post``)
 and ranks the sub-updates m_i v_i by their weight |m_i|·‖v_i‖ (Geva et al. 2022). Each value is
-projected through the unembedding under a named convention (see :data:`CONVENTIONS`) to show the
-tokens it promotes. The residual stream before and after each FFN is read with the logit lens:
+projected through the unembedding under a named convention (:mod:`kvmem.conventions`) to show
+the tokens it promotes. The residual stream before and after each FFN is read with the logit lens:
 the full final norm, then W_U and b_U, exactly as the model computes its real logits.
 
 Shapes use one vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``pos``.
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvmem.conventions import DEFAULT_CONVENTION, convention_vectors, get_convention
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from kvmem.models import FinalNorm, Model
 
 __all__ = [
-    "CONVENTIONS",
     "LAYER_COLUMNS",
     "SUB_UPDATE_COLUMNS",
     "Trace",
@@ -33,16 +33,10 @@ __all__ = [
     "trace",
 ]
 
-# projection convention -> what a value v [d_model] is multiplied by to give vocabulary scores [vocab]
-CONVENTIONS: dict[str, str] = {
-    "raw": "W_U^T v (no norm; LM-Debugger's convention)",
-    "final_norm": "W_U^T (final_norm.linear_part(v)) (centring + gain of the final norm, no 1/sigma, no bias)",
-}
-
 SUB_UPDATE_COLUMNS: dict[str, str] = {
     "layer": "layer index",
     "rank": "1 = the heaviest sub-update of this layer at this position",
-    "slot": "memory slot i (0..d_ff-1)",
+    "neuron": "neuron i of the layer (0..d_ff-1)",
     "coefficient": "m_i at hook_post (signed; gated FFNs have large negative ones)",
     "value_norm": "||v_i||",
     "weight": "|m_i| * ||v_i||",
@@ -91,9 +85,9 @@ class Trace:
         """The layer table with the ``per_layer`` heaviest sub-updates of each layer as one text column."""
         heavy = self.sub_updates[self.sub_updates["rank"] <= per_layer]
         if "update_tokens" in heavy:
-            text = heavy.apply(lambda r: f"{r.slot}({r.coefficient:+.2g}):{'|'.join(r.update_tokens[:2])}", axis=1)
+            text = heavy.apply(lambda r: f"{r.neuron}({r.coefficient:+.2g}):{'|'.join(r.update_tokens[:2])}", axis=1)
         else:
-            text = heavy.apply(lambda r: f"{r.slot}({r.coefficient:+.2g})", axis=1)
+            text = heavy.apply(lambda r: f"{r.neuron}({r.coefficient:+.2g})", axis=1)
         joined = text.groupby(heavy["layer"]).agg(" ".join) if len(heavy) else None
         table = self.layers[["layer", "top_before", "top_after", "changed", "final_prob_before", "final_prob_after"]]
         table = table.copy()
@@ -116,11 +110,6 @@ class Trace:
 
 
 # ---- helpers ----
-def _check_convention(convention: str) -> None:
-    if convention not in CONVENTIONS:
-        raise KvmemError(f"unknown projection convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
-
-
 def _prompt_ids(model: Model, prompt: str | list[int], prepend_bos: bool) -> list[int]:
     if isinstance(prompt, str):
         ids = model.encode(prompt)
@@ -161,18 +150,9 @@ def _lens(model: Model, resid: Tensor) -> Tensor:
     return logits if bias is None else logits + bias.float()
 
 
-def _convention_vectors(model: Model, vectors: Tensor, convention: str) -> Tensor:
-    """vectors [n, d_model] as the convention feeds them to W_U: [n, d_model]."""
-    vectors = vectors.float()
-    if convention == "final_norm":
-        vectors = model.final_norm().linear_part(vectors).float()
-    return vectors
-
-
-def project(model: Model, vectors: Tensor, *, convention: str = "final_norm") -> Tensor:
+def project(model: Model, vectors: Tensor, *, convention: str = DEFAULT_CONVENTION) -> Tensor:
     """Vocabulary scores of vectors [n, d_model] -> [n, vocab] under ``convention`` (no b_U)."""
-    _check_convention(convention)
-    return _convention_vectors(model, vectors, convention) @ model.unembedding().float()
+    return convention_vectors(model, vectors, convention) @ model.unembedding().float()
 
 
 def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Tensor], Tensor]:
@@ -182,9 +162,9 @@ def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Ten
     hook_dict = model.bridge.hook_dict
     names = []
     for layer in range(model.n_layers):
-        names += [model.hook_name(layer, "post"), model.hook_name(layer, "out"), f"blocks.{layer}.hook_resid_post"]
-        if f"blocks.{layer}.hook_resid_mid" in hook_dict:
-            names.append(f"blocks.{layer}.hook_resid_mid")
+        names += [model.hook_name(layer, site) for site in ("post", "out", "resid_post")]
+        if model.hook_name(layer, "resid_mid") in hook_dict:
+            names.append(model.hook_name(layer, "resid_mid"))
     missing = [n for n in names if n not in hook_dict]
     if missing:
         raise KvmemError(f"this model's bridge has no hook {missing[0]}; trace needs hook_post, hook_out and "
@@ -204,13 +184,13 @@ def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Ten
 
 
 def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int | None = 10,
-          convention: str = "final_norm", n_tokens: int = 3, prepend_bos: bool = False) -> Trace:
+          convention: str = DEFAULT_CONVENTION, n_tokens: int = 3, prepend_bos: bool = False) -> Trace:
     """Which memories build the prediction at ``position``, layer by layer.
 
     ``prompt``: text (encoded without special tokens) or token ids. ``position``: index into the
     prompt's tokens, negative from the end. ``top``: sub-updates kept per layer, by |m_i|·‖v_i‖
     (``None`` keeps all d_ff, whose sum plus b2 is the FFN output). ``convention``: how values
-    are projected (:data:`CONVENTIONS`). ``n_tokens``: tokens listed per value (0 skips the
+    are projected (:data:`kvmem.conventions.CONVENTIONS`). ``n_tokens``: tokens listed per value (0 skips the
     vocabulary projection, which is the slow part when ``top=None``).
 
     The residual before the FFN is ``blocks.L.hook_resid_mid`` (or hook_resid_post minus the FFN
@@ -224,9 +204,9 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
 
     import kvmem
 
-    _check_convention(convention)
+    formula = get_convention(convention).formula
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
-        raise KvmemError(f"top must be a positive int or None (all {model.d_ff} slots), got {top!r}")
+        raise KvmemError(f"top must be a positive int or None (all {model.d_ff} neurons), got {top!r}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise KvmemError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
     ids = _prompt_ids(model, prompt, prepend_bos)
@@ -247,8 +227,8 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
         for layer in range(model.n_layers):
             m = captured[model.hook_name(layer, "post")]  # [d_ff]
             out = captured[model.hook_name(layer, "out")]  # [d_model]
-            post = captured[f"blocks.{layer}.hook_resid_post"]  # [d_model]
-            mid = captured.get(f"blocks.{layer}.hook_resid_mid", post - out)  # [d_model]
+            post = captured[model.hook_name(layer, "resid_post")]  # [d_model]
+            mid = captured.get(model.hook_name(layer, "resid_mid"), post - out)  # [d_model]
             before.append(mid)
             after.append(post)
             ffn_norms.append(float(out.norm()))
@@ -256,7 +236,7 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
             norms = values.norm(dim=1)  # [d_ff]
             weight = m.abs() * norms  # [d_ff]
             order = torch.topk(weight, k).indices  # [k], heaviest first
-            converted = _convention_vectors(model, values, convention)  # [d_ff, d_model]
+            converted = convention_vectors(model, values, convention)  # [d_ff, d_model]
             final_scores = converted @ model.unembedding()[:, final_token].float()  # [d_ff]
             total = float(weight.sum()) or 1.0
             tokens_of: dict[str, list[list[str]]] = {"update_tokens": [], "value_tokens": []}
@@ -267,11 +247,11 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
                     for key, s in (("update_tokens", signed), ("value_tokens", scores)):
                         top_ids = s.topk(n_tokens, dim=1).indices.tolist()
                         tokens_of[key] += [[token(i) for i in row] for row in top_ids]
-            for rank, slot in enumerate(order.tolist()):
-                row = {"layer": layer, "rank": rank + 1, "slot": slot, "coefficient": float(m[slot]),
-                       "value_norm": float(norms[slot]), "weight": float(weight[slot]),
-                       "weight_share": float(weight[slot]) / total,
-                       "final_token_logit": float(m[slot] * final_scores[slot])}
+            for rank, neuron in enumerate(order.tolist()):
+                row = {"layer": layer, "rank": rank + 1, "neuron": neuron, "coefficient": float(m[neuron]),
+                       "value_norm": float(norms[neuron]), "weight": float(weight[neuron]),
+                       "weight_share": float(weight[neuron]) / total,
+                       "final_token_logit": float(m[neuron] * final_scores[neuron])}
                 if n_tokens:
                     row["update_tokens"] = tokens_of["update_tokens"][rank]
                     row["value_tokens"] = tokens_of["value_tokens"][rank]
@@ -281,7 +261,7 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
     attrs = {
         "model": model.name, "fingerprint": model.fingerprint, "prompt": prompt, "tokens": [token(i) for i in ids],
         "token_ids": ids, "position": pos, "position_token": token(ids[pos]), "final_token": token(final_token),
-        "final_token_id": final_token, "convention": convention, "convention_formula": CONVENTIONS[convention],
+        "final_token_id": final_token, "convention": convention, "convention_formula": formula,
         "logit_lens": "full final norm, then W_U and b_U", "top": top, "prepend_bos": prepend_bos,
         "dtype": str(model.dtype).removeprefix("torch."), "kvmem_version": kvmem.__version__,
     }

@@ -71,8 +71,8 @@ with torch.no_grad():
         mean, std = u @ mu, ((u @ cov) * u).sum(dim=1).sqrt()  # [d_ff]
         z = ((u @ W_U[:, target_ids]) - mean[:, None]) / std[:, None]  # [d_ff, n_targets]
         concept = z.mean(dim=1)  # [d_ff]
-        for slot in concept.abs().topk(5).indices.tolist():
-            rows.append({"layer": layer, "slot": slot, "concept_z": float(concept[slot])})
+        for neuron in concept.abs().topk(5).indices.tolist():
+            rows.append({"layer": layer, "neuron": neuron, "concept_z": float(concept[neuron])})
 candidates = pd.DataFrame(rows).assign(strength=lambda f: f.concept_z.abs())
 candidates = candidates.sort_values("strength", ascending=False, ignore_index=True)
 n_values = 10
@@ -84,10 +84,10 @@ chosen
 md("What the chosen sub-updates promote (top tokens of sign · projection):")
 
 code("""
-vectors = torch.stack([model.values(r.layer)[r.slot] * r.sign for r in chosen.itertuples()])  # [n, d_model]
+vectors = torch.stack([model.values(r.layer)[r.neuron] * r.sign for r in chosen.itertuples()])  # [n, d_model]
 scores = project(model, vectors, convention="final_norm")  # [n, vocab]
 chosen["promotes"] = [[model.token_str(i) for i in row] for row in scores.topk(6, dim=1).indices.tolist()]
-chosen[["layer", "slot", "sign", "concept_z", "promotes"]]
+chosen[["layer", "neuron", "sign", "concept_z", "promotes"]]
 """)
 
 md("""
@@ -137,7 +137,7 @@ code("""
 prompts = ["I feel", "The movie was", "The food at the restaurant tasted"][: 2 if FAST else 3]
 
 def edits_for(scale):
-    return {(r.layer, r.slot): r.sign * coefficient * scale for r in chosen.itertuples()}
+    return {(r.layer, r.neuron): r.sign * coefficient * scale for r in chosen.itertuples()}
 
 def next_token(prompt, edits):
     with torch.no_grad(), intervene(model, edits):
@@ -188,7 +188,7 @@ for prompt in prompts[: 1 if FAST else 2]:
 md("""
 ## 5. The edit, seen by the tracer
 
-`kvmem.trace` run inside the block sees the edited coefficients. `rank` is each switched-on slot's place
+`kvmem.trace` run inside the block sees the edited coefficients. `rank` is each switched-on neuron's place
 among its layer's 1536 sub-updates (by |m|·‖v‖), `final_token_logit` its direct push on the logit of the
 final prediction; the logit lens shows in which layers the prediction turns to the concept.
 """)
@@ -198,8 +198,8 @@ with intervene(model, edits_for(0.5)):
     traced = kvmem.trace(model, prompts[0], top=None, n_tokens=0)  # all d_ff sub-updates of every layer
 print(traced.attrs["final_token"], "| convention:", traced.attrs["convention"])
 display(traced.layers.tail(6)[["layer", "top_before", "top_after", "changed", "final_prob_after"]])
-edited = traced.sub_updates.merge(chosen[["layer", "slot", "promotes"]], on=["layer", "slot"])
-edited[["layer", "slot", "rank", "coefficient", "weight_share", "final_token_logit", "promotes"]].round(3)
+edited = traced.sub_updates.merge(chosen[["layer", "neuron", "promotes"]], on=["layer", "neuron"])
+edited[["layer", "neuron", "rank", "coefficient", "weight_share", "final_token_logit", "promotes"]].round(3)
 """)
 
 md("""
@@ -212,6 +212,8 @@ md("""
 - Every number here depends on the projection convention (`final_norm`): the traces record it in `attrs`.
 """)
 
+for i, cell in enumerate(cells):
+    cell["id"] = f"intervention-{i:02d}"  # stable ids: regenerating gives no spurious diff
 nb = new_notebook(cells=cells, metadata={
     "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
     "language_info": {"name": "python"},

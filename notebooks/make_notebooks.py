@@ -42,20 +42,20 @@ def quickstart():
 # kvmem quickstart
 
 A transformer's feed-forward layer, `FFN(x) = W_out · act(W_in x)`, can be read as a key-value memory
-(Geva et al. 2021): slot *i* has a **key** (row *i* of `W_in`; SmolLM2's gated FFN has two, gate and up),
+(Geva et al. 2021): neuron *i* has a **key** (row *i* of `W_in`; SmolLM2's gated FFN has two, gate and up),
 a **coefficient** `m_i(x)` (the hidden activation) and a **value** (column *i* of `W_out`). This notebook
-loads a real trained model, scans a small corpus into an *atlas*, asks it about a few memory slots, and
+loads a real trained model, scans a small corpus into an *atlas*, asks it about a few neurons, and
 exports a report. Everything runs offline on a CPU.
 """),
         code(SETTINGS),
-        md("## Load SmolLM2-135M (30 layers, gated SwiGLU FFN, 1,536 slots per layer)"),
+        md("## Load SmolLM2-135M (30 layers, gated SwiGLU FFN, 1,536 neurons per layer)"),
         code('''model = kvmem.load_model("smollm2-135m")
 print(model)
 model.anatomy().head(3)'''),
         md("""
 ## Scan a corpus into an atlas
 
-The scan streams text through the model and keeps, for every slot, its statistics, its top and bottom
+The scan streams text through the model and keeps, for every neuron, its statistics, its top and bottom
 *triggers* (the contexts where `m_i` is most extreme) and its value and key projections through the vocabulary.
 The built-in `pydoc` corpus is the Python documentation shipped with the interpreter.
 """),
@@ -63,19 +63,19 @@ The built-in `pydoc` corpus is the Python documentation shipped with the interpr
 atlas = kvmem.scan(model, "pydoc", out=OUT / "atlas", overwrite=True, max_tokens=TOKENS, layers=LAYERS,
                    top_k=10, progress=False)
 atlas'''),
-        md("## The slots with the largest coefficients"),
+        md("## The neurons with the largest coefficients"),
         code('''columns = ["layer", "neuron", "max", "mean", "frac_positive", "value_norm"]
 top = atlas.neurons.sort_values("max", ascending=False)[columns].head(8)
 top'''),
-        md("## One memory slot: statistics, triggers (the trigger token in `[[...]]`) and the tokens its value promotes"),
+        md("## One neuron: statistics, triggers (the trigger token in `[[...]]`) and the tokens its value promotes"),
         code('''layer, neuron = int(top.layer.iloc[0]), int(top.neuron.iloc[0])
 record = atlas.neuron(layer, neuron)
 print(record)'''),
         code('''atlas.triggers(layer, neuron, kind="top")[["activation", "token", "next_token", "context"]].head(5)'''),
         code('''atlas.values(layer, neuron, convention="final_norm", kind="promote")[["rank", "token", "score"]].head(8)'''),
-        md("## Which slots promote a token? (`tokenizer=` resolves the string to its single token)"),
+        md("## Which neurons promote a token? (`tokenizer=` resolves the string to its single token)"),
         code('''atlas.top_neurons(token=" the", by="value", k=5, tokenizer=model.tokenizer)'''),
-        md("## Plots: the per-layer picture and one slot's coefficient histogram"),
+        md("## Plots: the per-layer picture and one neuron's coefficient histogram"),
         code('''import matplotlib.pyplot as plt
 
 from kvmem import plots
@@ -94,20 +94,20 @@ def vocabulary_projections():
         md("""
 # Value projections: raw or through the final norm?
 
-Projecting a value vector `v` through the unembedding shows which tokens the slot promotes (Geva et al. 2022).
+Projecting a value vector `v` through the unembedding shows which tokens the neuron promotes (Geva et al. 2022).
 Tools disagree on *how*: LM-Debugger projects raw `W_U^T v`; ffn-values and OpenAI's neuron viewer first
 apply the final norm's linear part. kvmem stores both and records which produced each number. This notebook
 puts them side by side and measures how much the answer changes across whole layers of SmolLM2-135M
 (its final norm is an RMSNorm, so `final_norm` multiplies `v` by the norm's per-dimension gain).
 """),
         code(SETTINGS),
-        code('''from kvmem.schema import CONVENTIONS
+        code('''from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 
-for name, definition in CONVENTIONS.items():
-    print(f"{name}: {definition}\\n")'''),
+for name, convention in CONVENTIONS.items():
+    print(f"{name}{' (default)' if name == DEFAULT_CONVENTION else ''}: {convention.formula}\\n")'''),
         md("""
 Value projections depend only on the weights, not on the corpus, so a tiny scan is enough to store them
-for every slot of the chosen layers (`context_activations=False` skips work this notebook does not need).
+for every neuron of the chosen layers (`context_activations=False` skips work this notebook does not need).
 """),
         code('''model = kvmem.load_model("smollm2-135m")
 LAYERS = [0, 29] if FAST else [0, 10, 20, 29]
@@ -115,8 +115,9 @@ atlas = kvmem.scan(model, "pydoc", out=OUT / "atlas", overwrite=True, max_tokens
                    top_k=3, context_activations=False, progress=False)
 values = atlas.table("values")
 values.head(3)'''),
-        md("## Side by side: the top promoted tokens of a few slots under each convention"),
+        md("## Side by side: the top promoted tokens of a few neurons under each convention"),
         code('''import pandas as pd
+
 
 def side_by_side(layer, neuron, n=10):
     frame = atlas.values(layer, neuron, kind="promote")
@@ -144,10 +145,10 @@ fig, ax = plt.subplots(figsize=(5.5, 2.8), layout="constrained")
 for layer, group in overlap.groupby("layer"):
     ax.hist(group["shared of 20"], bins=range(22), histtype="step", linewidth=1.4, label=f"layer {layer}")
 ax.set_xlabel("tokens shared by the raw and final_norm top-20")
-ax.set_ylabel("slots")
+ax.set_ylabel("neurons")
 ax.legend(frameon=False);'''),
         md("""
-Where the overlap is far below 20, the two conventions tell different stories about the same slot:
+Where the overlap is far below 20, the two conventions tell different stories about the same neuron:
 a result quoted without its convention cannot be reproduced. kvmem writes the convention beside every
 number (`atlas.values(..., convention=...)`, the manifest, and every exported report).
 """),
@@ -159,7 +160,7 @@ def neuron_reports():
         md("""
 # Neuron reports
 
-Export memory slots as reports: **HTML** (one self-contained file per slot, figures inline, opens offline),
+Export neurons as reports: **HTML** (one self-contained file per neuron, figures inline, opens offline),
 **Markdown** (renders on GitHub, figures as PNG files beside it) or **JSON** (schema `kvmem.neuron/1`,
 documented in `kvmem.report.record`). Many at once get an index page. The same from a shell:
 `kvmem report --atlas DIR --layer 29 --top 5 --format html --out reports/`.
@@ -170,16 +171,16 @@ LAYER = 29
 atlas = kvmem.scan(model, "pydoc", out=OUT / "atlas", overwrite=True, max_tokens=TOKENS,
                    layers=[LAYER] if FAST else [20, 25, LAYER], top_k=10, progress=False)
 atlas'''),
-        md("## Choose slots: the best of a layer by max coefficient, and the most often active"),
+        md("## Choose neurons: the best of a layer by max coefficient, and the most often active"),
         code('''from kvmem.report import export_many, select_neurons
 
 best = select_neurons(atlas, LAYER, top=3, by="max")
 often = select_neurons(atlas, LAYER, top=3, by="frac_positive")
-slots = list(dict.fromkeys(best + often))  # a slot can be in both lists
-slots'''),
-        code('''html_index = export_many(atlas, slots, format="html", out=OUT / "html", progress=False)
-md_index = export_many(atlas, slots, format="md", out=OUT / "md", progress=False)
-json_index = export_many(atlas, slots, format="json", out=OUT / "json", progress=False)
+neurons = list(dict.fromkeys(best + often))  # a neuron can be in both lists
+neurons'''),
+        code('''html_index = export_many(atlas, neurons, format="html", out=OUT / "html", progress=False)
+md_index = export_many(atlas, neurons, format="md", out=OUT / "md", progress=False)
+json_index = export_many(atlas, neurons, format="json", out=OUT / "json", progress=False)
 for index in (html_index, md_index, json_index):
     print(index, sorted(p.name for p in index.parent.iterdir()))'''),
         md("## One report, read back: the JSON record"),
@@ -187,13 +188,13 @@ for index in (html_index, md_index, json_index):
 
 import pandas as pd
 
-layer, neuron = slots[0]
+layer, neuron = neurons[0]
 data = json.loads((OUT / "json" / f"L{layer}_N{neuron}.json").read_text())
 print(data["schema"], data["provenance"]["model"], data["provenance"]["convention"])
 pd.DataFrame(data["triggers"]["top"])[["rank", "activation", "token", "next_token", "context"]].head(5)'''),
         md("Does the value promote the tokens that follow its triggers?"),
         code('''pd.DataFrame(data["agreement"])[["convention", "triggers", "tokens", "checked", "fraction", "chance"]]'''),
-        md("## The Markdown version (first lines) and the slot itself, shown inline"),
+        md("## The Markdown version (first lines) and the neuron itself, shown inline"),
         code('''print("\\n".join((OUT / "md" / f"L{layer}_N{neuron}.md").read_text().splitlines()[:16]))'''),
         code('''atlas.neuron(layer, neuron)'''),
         md("Open the HTML report in a browser (it fetches nothing):"),

@@ -87,11 +87,12 @@ def test_final_norm_linear_part(gpt2_model, llama_model):
 def test_hook_names_and_layer_range(gpt2_model):
     assert gpt2_model.hook_name(1) == "blocks.1.mlp.hook_post" == hook_name(1)
     assert gpt2_model.hook_name(0, "pre") == "blocks.0.mlp.hook_pre"
-    for site in ("in", "pre", "post", "out"):
+    assert gpt2_model.hook_name(0, "resid_mid") == "blocks.0.hook_resid_mid"
+    for site in ("in", "pre", "post", "out", "resid_pre", "resid_mid", "resid_post"):
         assert gpt2_model.hook_name(1, site) in gpt2_model.bridge.hook_dict
     with pytest.raises(kvmem.KvmemError, match=r"layer 2 is out of range; this model has layers 0\.\.1"):
         gpt2_model.keys(2)
-    with pytest.raises(kvmem.KvmemError, match="unknown FFN hook site"):
+    with pytest.raises(kvmem.KvmemError, match="unknown hook site 'middle'; choose one of in, pre, "):
         gpt2_model.hook_name(0, "middle")
 
 

@@ -96,16 +96,16 @@ def test_layer_summary(neurons):
         plots.plot_layer_summary(neurons, axes=own[:2])
 
 
-def test_layer_slot_overview(neurons):
-    ax = plots.plot_layer_slot_overview(neurons, column="max")
+def test_layer_neuron_overview(neurons):
+    ax = plots.plot_layer_neuron_overview(neurons, column="max")
     _drawn(ax)
     image = ax.get_images()[0]
     assert image.get_array().shape == (4, 32) and image.get_cmap().name == "viridis"
-    signed = plots.plot_layer_slot_overview(neurons, column="mean").get_images()[0]
+    signed = plots.plot_layer_neuron_overview(neurons, column="mean").get_images()[0]
     low, high = signed.get_clim()
     assert signed.get_cmap().name == "RdBu_r" and low == -high
     with pytest.raises(KvmemError, match="'token' is not a numeric column"):
-        plots.plot_layer_slot_overview(neurons.assign(token="x"), column="token")
+        plots.plot_layer_neuron_overview(neurons.assign(token="x"), column="token")
 
 
 def test_activation_functions_match_the_seeds():
@@ -133,7 +133,7 @@ def test_plots_accept_atlas_tables(gpt2_model, tmp_path):
     for function, table, ax in [(plots.plot_histogram, atlas.histogram(1, 4), axes[0, 0]),
                                 (plots.plot_trigger_activations, atlas.triggers(1, 4), axes[0, 1]),
                                 (plots.plot_value_projection, atlas.values(1, 4), axes[1, 0]),
-                                (plots.plot_layer_slot_overview, atlas.neurons, axes[1, 1])]:
+                                (plots.plot_layer_neuron_overview, atlas.neurons, axes[1, 1])]:
         assert function(table, ax=ax) is ax
     _drawn(axes[0, 0])
     plots.plot_layer_summary(atlas.neurons).canvas.draw()

@@ -15,6 +15,7 @@ from html_dom import Elements
 import kvmem
 from kvmem.atlas import Atlas
 from kvmem.cli import main
+from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.report import export_many, export_neuron, neuron_data
 from kvmem.report.text import clean, md_code, md_text, visible
@@ -98,6 +99,13 @@ def test_text_helpers():
     assert md_code("a|b") == "`a\\|b`" and md_code("``x") == "``` ``x ```" and md_code(" ") == "`␣`"
 
 
+def test_default_convention_is_the_registry_default_else_what_the_atlas_has(atlas):
+    assert atlas.default_convention == DEFAULT_CONVENTION and atlas.provenance()["convention"] == DEFAULT_CONVENTION
+    raw_only = Atlas(atlas.path)
+    raw_only.manifest = {**atlas.manifest, "scan": {**atlas.manifest["scan"], "conventions": ["raw"]}}
+    assert raw_only.default_convention == "raw" == raw_only.provenance()["convention"]
+
+
 def test_json_schema_matches_atlas(atlas, best, tmp_path):
     layer, neuron = best[0]
     path = export_neuron(atlas, layer, neuron, format="json", out=tmp_path)
@@ -108,7 +116,7 @@ def test_json_schema_matches_atlas(atlas, best, tmp_path):
                          "agreement"}
     p = data["provenance"]
     assert p["fingerprint"] == atlas.manifest["model"]["fingerprint"] and p["tokens"] == atlas.manifest["tokens"]
-    assert list(p["conventions"]) == atlas.conventions and p["convention"] == atlas.conventions[-1]
+    assert list(p["conventions"]) == atlas.conventions and p["convention"] == atlas.default_convention == DEFAULT_CONVENTION
     row = atlas.neurons[(atlas.neurons.layer == layer) & (atlas.neurons.neuron == neuron)].iloc[0]
     assert data["stats"]["max"] == pytest.approx(row["max"], rel=1e-6) and data["stats"]["gate_norm"] is None
     assert sum(data["histogram"]["counts"]) == data["stats"]["count"] == atlas.manifest["tokens"]
@@ -270,6 +278,42 @@ def test_export_many_refuses_and_replaces(atlas, best, tmp_path):
         export_neuron(atlas, *best[0], format="pdf", out=tmp_path)
 
 
+def _report_parser():
+    from kvmem.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    return commands.choices["report"]
+
+
+def test_cli_format_choices_are_the_registry():
+    from kvmem.report.formats import FORMATS
+
+    action = next(a for a in _report_parser()._actions if a.dest == "format")
+    assert list(action.choices) == list(FORMATS) == ["html", "md", "json"]
+    assert all(f.description in action.help for f in FORMATS.values())
+
+
+def test_a_new_format_is_one_registry_entry(atlas, best, tmp_path, monkeypatch, capsys):
+    from kvmem.report.formats import FORMATS, ReportFormat
+
+    def write_neuron(record, data, out, stem):
+        path = out / f"{stem}.txt"
+        path.write_text(f"{data['layer']} {data['neuron']} {record.stats['max']}\n")
+        return path
+
+    monkeypatch.setitem(FORMATS, "txt", ReportFormat(
+        name="txt", suffix=".txt", description="one line per neuron", write_neuron=write_neuron,
+        render_index=lambda rows, provenance: "".join(f"{row['file']}\n" for row in rows)))
+    action = next(a for a in _report_parser()._actions if a.dest == "format")
+    assert "txt" in action.choices and "one line per neuron" in action.help
+    (layer, neuron), out = best[0], tmp_path / "txt"
+    assert main(["report", "--atlas", str(atlas.path), str(layer), str(neuron), "--format", "txt", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert (out / "index.txt").read_text() == f"L{layer}_N{neuron}.txt\n"
+    assert (out / f"L{layer}_N{neuron}.txt").read_text().startswith(f"{layer} {neuron} ")
+    assert "wrote 1 txt report(s)" in capsys.readouterr().out
+
+
 def test_cli(atlas, best, tmp_path, capsys):
     (layer, neuron), out = best[0], tmp_path / "cli"
     assert main(["report", "--atlas", str(atlas.path), str(layer), str(neuron), "1", "2", "--out", str(out),
@@ -284,7 +328,7 @@ def test_cli(atlas, best, tmp_path, capsys):
     expected = [f"L1_N{n}.md" for n in frame.neuron.head(3)]
     assert sorted(p.name for p in out.glob("*.md")) == sorted([*expected, "index.md"])
     for argv, message in [(["0", "999"], _atlas_error(atlas, 0, 999)), (["7", "0"], _atlas_error(atlas, 7, 0)),
-                          (["0"], "slots come in L N pairs"), (["0", "1", "--layer", "0", "--top", "2"], "give either"),
+                          (["0"], "neurons come in L N pairs"), (["0", "1", "--layer", "0", "--top", "2"], "give either"),
                           (["--layer", "0"], "--layer and --top go together"), ([], "nothing to report")]:
         assert main(["report", "--atlas", str(atlas.path), *argv, "--out", str(tmp_path / "x")]) == 2
         assert capsys.readouterr().err.startswith(f"kvmem: error: {message}")

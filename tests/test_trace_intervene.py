@@ -6,8 +6,6 @@ sum to the FFN output; the logit lens after the last FFN is the model's own pred
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -20,44 +18,15 @@ from kvmem.tracing import plot_prediction_formation, project, trace
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
-# ---- fixtures: tiny random GPT-2 and Llama ----
-@pytest.fixture(autouse=True)
-def _seed():
-    random.seed(0)
-    torch.manual_seed(0)
+# ---- fixtures: the tiny random GPT-2 and Llama of conftest.py ----
+@pytest.fixture
+def gpt2(gpt2_model):
+    return gpt2_model
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir():
-    from kvmem.builtin import gpt2_random_dir
-
-    return gpt2_random_dir(n_layer=2, n_embd=64, n_head=4, n_positions=128)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
-
-    from kvmem.builtin import gpt2_tokenizer_dir
-
-    tokenizer = GPT2TokenizerFast.from_pretrained(gpt2_tokenizer_dir())
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def gpt2(gpt2_dir):
-    return kvmem.load_model(gpt2_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def llama(llama_dir):
-    return kvmem.load_model(llama_dir, device="cpu")
+@pytest.fixture
+def llama(llama_model):
+    return llama_model
 
 
 @pytest.fixture(params=["gpt2", "llama"])
@@ -70,8 +39,8 @@ def test_tiny_configs_are_tiny(gpt2, llama):
     assert (llama.n_layers, llama.d_model, llama.d_ff, llama.gated) == (2, 64, 96, True)
     for m in (gpt2, llama):
         for layer in range(m.n_layers):
-            for name in ("hook_resid_mid", "hook_resid_post"):
-                assert f"blocks.{layer}.{name}" in m.bridge.hook_dict
+            for site in ("resid_mid", "resid_post"):
+                assert m.hook_name(layer, site) in m.bridge.hook_dict
 
 
 # ---- helpers ----
@@ -130,22 +99,22 @@ def test_add_moves_ffn_output_by_delta_times_value(model, positions):
 
 @pytest.mark.parametrize("mode, value", [("set", 3.0), ("scale", 0.5), ("add", 1.0)])
 def test_modes_at_down_proj_input(model, mode, value):
-    layer, slot = 0, 5
+    layer, neuron = 0, 5
     ids = _ids(model)
     seen = []
     handle = _raw_linear(model, layer).register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
     try:
         with torch.no_grad():
             model.bridge(ids)
-            with intervene(model, {(layer, slot): value}, mode=mode, positions=[2]):
+            with intervene(model, {(layer, neuron): value}, mode=mode, positions=[2]):
                 model.bridge(ids)
     finally:
         handle.remove()
     base, edited = seen[0][0], seen[1][0]  # [pos, d_ff]: the coefficients W2 / down_proj receives
-    expected = {"set": torch.tensor(value), "scale": base[2, slot] * value, "add": base[2, slot] + value}[mode]
-    torch.testing.assert_close(edited[2, slot], expected.to(edited.dtype))
+    expected = {"set": torch.tensor(value), "scale": base[2, neuron] * value, "add": base[2, neuron] + value}[mode]
+    torch.testing.assert_close(edited[2, neuron], expected.to(edited.dtype))
     untouched = torch.ones_like(base, dtype=torch.bool)
-    untouched[2, slot] = False
+    untouched[2, neuron] = False
     assert torch.equal(edited[untouched], base[untouched])
 
 
@@ -165,18 +134,18 @@ def test_hooks_removed_after_block_and_after_exception(model):
 
 def test_positions_are_absolute_during_cached_generation(gpt2):
     """With and without the KV cache, position 7 (a generated token) is set once, nowhere else."""
-    layer, slot, value, target = 1, 4, 7.0, 7
+    layer, neuron, value, target = 1, 4, 7.0, 7
     ids = _ids(gpt2, "Hello world, it is")  # 5 tokens
     post = gpt2.hook_name(layer, "post")
     for use_cache in (True, False):
         calls: list[torch.Tensor] = []
 
         def grab(tensor, hook, calls=calls):
-            calls.append(tensor[0, :, slot].detach().clone())  # [pos]
+            calls.append(tensor[0, :, neuron].detach().clone())  # [pos]
 
-        with intervene(gpt2, {(layer, slot): value}, positions=[target]), gpt2.bridge.hooks(fwd_hooks=[(post, grab)]):
+        with intervene(gpt2, {(layer, neuron): value}, positions=[target]), gpt2.bridge.hooks(fwd_hooks=[(post, grab)]):
             gpt2.bridge.generate(ids, max_new_tokens=5, do_sample=False, verbose=False, use_past_kv_cache=use_cache)
-        sequence = torch.cat(calls) if use_cache else calls[-1]  # coefficient of slot per absolute position
+        sequence = torch.cat(calls) if use_cache else calls[-1]  # coefficient of neuron per absolute position
         assert sequence.shape[0] == ids.shape[1] + 4
         assert sequence[target] == value
         assert not torch.any(torch.cat([sequence[:target], sequence[target + 1:]]) == value)
@@ -193,12 +162,12 @@ def test_hf_generate_is_edited_too(gpt2):
 
 
 def test_generation_strong_edit_differs_empty_edit_equal(model):
-    slot = 11
-    direction = project(model, model.values(1)[[slot]], convention="final_norm")[0]  # [vocab]
+    neuron = 11
+    direction = project(model, model.values(1)[[neuron]], convention="final_norm")[0]  # [vocab]
     plain = greedy_continuation(model, "Hello world", max_new_tokens=6)
     with intervene(model, {}):
         assert greedy_continuation(model, "Hello world", max_new_tokens=6) == plain
-    with intervene(model, {(1, slot): 1000.0}):
+    with intervene(model, {(1, neuron): 1000.0}):
         edited = greedy_continuation(model, "Hello world", max_new_tokens=6)
     assert edited != plain
     assert edited == model.token_str(int(direction.argmax())) * 6
@@ -226,10 +195,10 @@ def test_bridge_kv_cache_matches_full_forward(gpt2):
 
 @pytest.mark.parametrize("edits, options, message", [
     ({(2, 0): 1.0}, {}, r"layer 2 is out of range; this model has layers 0\.\.1"),
-    ({(0, 256): 1.0}, {}, r"slot 256 .* slots 0\.\.255"),
+    ({(0, 256): 1.0}, {}, r"neuron 256 .* neurons 0\.\.255"),
     ({(0, 0): float("nan")}, {}, "must be finite"),
     ({(0, 0): "3"}, {}, "real number"),
-    ({0: 1.0}, {}, r"\(layer, slot\) pair"),
+    ({0: 1.0}, {}, r"\(layer, neuron\) pair"),
     ([((0, 0), 1.0)], {}, "must be a dict"),
     ({(0, 0): 1.0}, {"mode": "multiply"}, "choose one of set, scale, add"),
     ({(0, 0): 1.0}, {"positions": ["a"]}, "position must be an int"),
@@ -250,8 +219,8 @@ def test_all_sub_updates_sum_to_ffn_output(model):
     subs = result.sub_updates
     assert len(subs) == model.n_layers * model.d_ff
     for layer in range(model.n_layers):
-        rows = subs[subs.layer == layer].sort_values("slot")
-        assert rows.slot.tolist() == list(range(model.d_ff))
+        rows = subs[subs.layer == layer].sort_values("neuron")
+        assert rows.neuron.tolist() == list(range(model.d_ff))
         m = torch.tensor(rows.coefficient.to_numpy(), dtype=torch.float32)  # [d_ff]
         total = m @ model.values(layer)  # [d_model]
         if model.value_bias(layer) is not None:
@@ -286,7 +255,7 @@ def test_trace_frames_and_provenance(gpt2):
     # update tokens of a negative coefficient are the value's most suppressed tokens
     values = gpt2.values(0)
     for row in subs[subs.layer == 0].itertuples():
-        scores = project(gpt2, values[[row.slot]])[0] * (1 if row.coefficient >= 0 else -1)
+        scores = project(gpt2, values[[row.neuron]])[0] * (1 if row.coefficient >= 0 else -1)
         assert row.update_tokens[0] == gpt2.token_str(int(scores.argmax()))
     assert "Trace of" in repr(result) and "<table" in result._repr_html_()
 
@@ -334,7 +303,7 @@ def test_cli_generate(llama_dir, capsys):
 def test_cli_generate_bad_set(bad, capsys):
     assert main(["generate", "--model", "unused", "--set", bad, "Hello"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("kvmem: error: --set expects LAYER:SLOT=VALUE") and repr(bad) in err
+    assert err.startswith("kvmem: error: --set expects LAYER:NEURON=VALUE") and repr(bad) in err
     assert len(err.splitlines()) == 1
 
 
@@ -349,11 +318,11 @@ def test_switching_on_a_value_raises_its_token_on_smollm2():
     model = kvmem.load_model("smollm2-135m", device="cpu")
     layer = model.n_layers - 2
     scores = project(model, model.values(layer))  # [d_ff, vocab]
-    slot = int(scores.max(dim=1).values.argmax())
-    token = int(scores[slot].argmax())
+    neuron = int(scores.max(dim=1).values.argmax())
+    token = int(scores[neuron].argmax())
     ids = _ids(model, "The weather today is")
     with torch.no_grad():
         base = model.bridge(ids)[0, -1].softmax(-1)[token]
-        with intervene(model, {(layer, slot): 10.0}, positions=[-1]):
+        with intervene(model, {(layer, neuron): 10.0}, positions=[-1]):
             edited = model.bridge(ids)[0, -1].softmax(-1)[token]
     assert edited > base * 2

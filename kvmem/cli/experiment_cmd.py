@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 
 NAMES = ("agreement", "next-token-rank", "token-removal", "active-memories", "layer-vs-memories")
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--corpus", default=None,
                         help="the scanned corpus, when the manifest's cannot be re-opened (token-removal, "
                              "active-memories, layer-vs-memories)")
-    parser.add_argument("--convention", default="final_norm", choices=("final_norm", "raw"),
+    parser.add_argument("--convention", default=DEFAULT_CONVENTION, choices=list(CONVENTIONS),
                         help="value projection convention (agreement, next-token-rank, layer-vs-memories)")
     parser.add_argument("--kind", default="top", choices=("top", "top_doc"),
                         help="trigger kind: top-k positions, or one per document (needs a --per-document atlas)")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
+
+_CONVENTION_HELP = f"value projection convention (default {DEFAULT_CONVENTION} if the atlas has it)"
+
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     if command == "info":
@@ -14,12 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--token", required=True, help="one token, e.g. ' Paris' (mind the leading space)")
         parser.add_argument("--by", default="value", choices=["value", "trigger"])
         parser.add_argument("-k", type=int, default=10, help="how many memories")
-        parser.add_argument("--convention", default=None)
+        parser.add_argument("--convention", default=None, choices=list(CONVENTIONS), help=_CONVENTION_HELP)
         parser.add_argument("--model", default=None, help="tokenize --token with this model's tokenizer")
     else:  # neuron
         parser.add_argument("layer", type=int)
         parser.add_argument("neuron", type=int)
-        parser.add_argument("--convention", default=None)
+        parser.add_argument("--convention", default=None, choices=list(CONVENTIONS), help=_CONVENTION_HELP)
         parser.add_argument("-n", type=int, default=10, help="rows per section")
 
 

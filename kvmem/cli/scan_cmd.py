@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.conventions import CONVENTIONS
+
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     if command == "merge":
@@ -27,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--unit", default="document", choices=["document", "paragraph", "line", "sentence"])
     parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
     parser.add_argument("--top-n", type=int, default=20, help="tokens kept per value / key projection")
-    parser.add_argument("--conventions", default="raw,final_norm", help="value projection conventions")
+    parser.add_argument("--conventions", default=",".join(CONVENTIONS),
+                        help=f"comma-separated value projection conventions (default: all, {','.join(CONVENTIONS)})")
     parser.add_argument("--no-key-projections", action="store_true",
                         help="skip projecting keys through the input embedding (saves vocabulary passes)")
     parser.add_argument("--no-context-activations", action="store_true",

@@ -9,20 +9,23 @@ from __future__ import annotations
 import argparse
 import re
 
+from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 
 _SET = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*=\s*([^\s]+)\s*$")
 
 
 def parse_set(text: str) -> tuple[tuple[int, int], float]:
-    """``"12:301=3.0"`` -> ((12, 301), 3.0); a one-line KvmemError for anything else."""
+    """``"12:301=3.0"`` -> ((12, 301), 3.0), i.e. ((layer, neuron), value); a one-line KvmemError otherwise."""
     match = _SET.match(text)
-    if match is None:
-        raise KvmemError(f"--set expects LAYER:SLOT=VALUE (e.g. 12:301=3.0), got {text!r}")
-    try:
-        value = float(match.group(3))
-    except ValueError:
-        raise KvmemError(f"--set expects LAYER:SLOT=VALUE (e.g. 12:301=3.0), got {text!r}") from None
+    value = None
+    if match is not None:
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            pass
+    if value is None:
+        raise KvmemError(f"--set expects LAYER:NEURON=VALUE (e.g. 12:301=3.0), got {text!r}")
     return (int(match.group(1)), int(match.group(2))), value
 
 
@@ -34,18 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     if command == "trace":
         parser.add_argument("--position", type=int, default=-1, help="token position to trace (default -1, the last)")
         parser.add_argument("--top", type=int, default=5, help="sub-updates shown per layer (default 5)")
-        parser.add_argument("--convention", default="final_norm", choices=["final_norm", "raw"],
-                            help="how values are projected to tokens (default final_norm)")
+        parser.add_argument("--convention", default=DEFAULT_CONVENTION, choices=list(CONVENTIONS),
+                            help=f"how values are projected to tokens (default {DEFAULT_CONVENTION})")
         parser.add_argument("text", help="the prompt")
     else:
-        parser.add_argument("--set", dest="edits", action="append", default=[], metavar="LAYER:SLOT=VALUE",
-                            help="memory coefficient edit; repeat for several")
+        parser.add_argument("--set", dest="edits", action="append", default=[], metavar="LAYER:NEURON=VALUE",
+                            help="edit the coefficient of one neuron (see --mode); repeat for several")
         parser.add_argument("--mode", default="set", choices=["set", "scale", "add"],
                             help="set (m = VALUE), scale (m *= VALUE) or add (m += VALUE); default set")
         parser.add_argument("--position", dest="positions", type=int, action="append", default=None,
                             help="edit only this absolute token position (repeatable; default all)")
         parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
-        parser.add_argument("--seed", type=int, default=0, help="torch seed (decoding is greedy)")
         parser.add_argument("prompt", help="the prompt")
 
 
@@ -71,7 +73,7 @@ def _run_trace(args: argparse.Namespace) -> int:
     print_table(layers, floats={"final_prob_after": "{:.3f}", "ffn_norm": "{:.3g}"})
     print()
     print(f"top {args.top} sub-updates per layer, by |m|*||v|| (update_tokens: what m*v promotes)")
-    table = result.sub_updates[["layer", "rank", "slot", "coefficient", "weight", "final_token_logit",
+    table = result.sub_updates[["layer", "rank", "neuron", "coefficient", "weight", "final_token_logit",
                                 "update_tokens"]].copy()
     print_table(table, floats={"coefficient": "{:+.3g}", "weight": "{:.3g}", "final_token_logit": "{:+.3g}"})
     return 0
@@ -79,22 +81,18 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 def _run_generate(args: argparse.Namespace) -> int:
     edits = dict(parse_set(text) for text in args.edits)  # parsed before the model loads: fast errors
-    import torch
-
     from kvmem.intervention import greedy_continuation, intervene
     from kvmem.models import load_model
 
     model = load_model(args.model, device=args.device)
     with intervene(model, edits, positions=args.positions, mode=args.mode):  # validates before generating
         pass
-    torch.manual_seed(args.seed)
     plain = greedy_continuation(model, args.prompt, max_new_tokens=args.max_new_tokens, prepend_bos=args.prepend_bos)
-    torch.manual_seed(args.seed)
     with intervene(model, edits, positions=args.positions, mode=args.mode):
         edited = greedy_continuation(model, args.prompt, max_new_tokens=args.max_new_tokens,
                                      prepend_bos=args.prepend_bos)
     print(model)
-    described = ", ".join(f"L{layer}:{slot}={value:g}" for (layer, slot), value in edits.items()) or "none"
+    described = ", ".join(f"L{layer}:{neuron}={value:g}" for (layer, neuron), value in edits.items()) or "none"
     print(f"edits ({args.mode}): {described}; positions: {'all' if args.positions is None else args.positions}")
     print(f"prompt:       {args.prompt!r}")
     print(f"without:      {plain!r}")

@@ -1,4 +1,7 @@
-"""Write reports to disk: one slot (:func:`export_neuron`) or many plus an index (:func:`export_many`)."""
+"""Write reports to disk: one neuron (:func:`export_neuron`) or many plus an index (:func:`export_many`).
+
+Formats come from the registry :data:`kvmem.report.formats.FORMATS`.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,16 @@ from pathlib import Path
 
 from kvmem.atomic import staged_directory
 from kvmem.errors import KvmemError
+from kvmem.report.formats import FORMATS, ReportFormat, get_format
+from kvmem.report.text import write_text
 
-__all__ = ["FORMATS", "RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
+__all__ = ["RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
 
-FORMATS = {"html": ".html", "md": ".md", "json": ".json"}
 RANKINGS = ("max", "mean", "frac_positive")
 
 
 def report_stem(layer: int, neuron: int) -> str:
-    """File name stem of a slot's report: ``L3_N17``."""
+    """File name stem of a neuron's report: ``L3_N17``."""
     return f"L{layer}_N{neuron}"
 
 
@@ -29,64 +33,33 @@ def _as_atlas(atlas):
     return atlas
 
 
-def _check_format(format: str) -> None:
-    if format not in FORMATS:
-        raise KvmemError(f"unknown report format {format!r}; choose one of {', '.join(FORMATS)}")
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.write_bytes(text.encode("utf-8", errors="replace"))  # lone surrogates were cleaned; never crash here
-
-
-def _export(atlas, layer: int, neuron: int, format: str, out: Path) -> tuple[Path, dict]:
+def _export(atlas, layer: int, neuron: int, report_format: ReportFormat, out: Path) -> tuple[Path, dict]:
     from kvmem.report.record import neuron_data
 
     atlas.check(layer, neuron)
     record = atlas.neuron(layer, neuron)
     data = neuron_data(atlas, layer, neuron, record=record)
-    stem = report_stem(layer, neuron)
-    path = out / f"{stem}{FORMATS[format]}"
-    if format == "json":
-        from kvmem.report.jsonfmt import dumps
-
-        _write_text(path, dumps(data))
-        return path, data
-    from kvmem.report.figures import neuron_figures
-
-    figures = neuron_figures(record, data)
-    if format == "html":
-        from kvmem.report.html import render_neuron
-
-        _write_text(path, render_neuron(data, figures))
-    else:
-        from kvmem.report.markdown import render_neuron
-
-        folder = out / f"{stem}_files"
-        folder.mkdir(exist_ok=True)
-        for figure in figures:
-            (folder / f"{figure.name}.png").write_bytes(figure.png)
-        _write_text(path, render_neuron(data, figures, folder=folder.name))
-    return path, data
+    return report_format.write_neuron(record, data, out, report_stem(layer, neuron)), data
 
 
 def export_neuron(atlas, layer: int, neuron: int, *, format: str = "html", out: str | os.PathLike = ".") -> Path:
-    """Write one slot's report into directory ``out`` (created if missing) and return its path.
+    """Write one neuron's report into directory ``out`` (created if missing) and return its path.
 
     ``atlas``: an :class:`~kvmem.atlas.Atlas` or its directory.
-    ``format``: ``html`` (one self-contained file), ``md`` (Markdown + PNG files in ``L{l}_N{n}_files/``)
-    or ``json`` (schema ``kvmem.neuron/1``, see :mod:`kvmem.report.record`). An existing report of
-    the same slot and format in ``out`` is replaced.
+    ``format``: a name in :data:`~kvmem.report.formats.FORMATS`: ``html`` (one self-contained file),
+    ``md`` (Markdown + PNG files in ``L{l}_N{n}_files/``) or ``json`` (schema ``kvmem.neuron/1``, see
+    :mod:`kvmem.report.record`). An existing report of the same neuron and format in ``out`` is replaced.
     """
-    _check_format(format)
+    report_format = get_format(format)
     atlas = _as_atlas(atlas)
     atlas.check(int(layer), int(neuron))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return _export(atlas, int(layer), int(neuron), format, out)[0]
+    return _export(atlas, int(layer), int(neuron), report_format, out)[0]
 
 
 def select_neurons(atlas, layer: int, *, top: int, by: str = "max") -> list[tuple[int, int]]:
-    """The ``top`` slots of ``layer`` with the highest ``by`` (max | mean | frac_positive), best first."""
+    """The ``top`` neurons of ``layer`` with the highest ``by`` (max | mean | frac_positive), best first."""
     if by not in RANKINGS:
         raise KvmemError(f"unknown ranking --by {by!r}; choose one of {', '.join(RANKINGS)}")
     if top < 1:
@@ -100,14 +73,14 @@ def select_neurons(atlas, layer: int, *, top: int, by: str = "max") -> list[tupl
 
 def export_many(atlas, neurons: Iterable[tuple[int, int]], *, format: str = "html", out: str | os.PathLike,
                 progress: bool = True, overwrite: bool = False) -> Path:
-    """Write a report per (layer, neuron) and an index (``index.html`` | ``index.md`` | ``index.json``).
+    """Write a report per (layer, neuron) and an index (``index`` + the format's suffix, e.g. ``index.html``).
 
     Returns the index path. ``out`` must not exist unless ``overwrite`` (then it is replaced, but only
     if it is empty or a previous report directory). Every pair is checked before anything is written.
     """
-    from kvmem.report.index import index_row, render_index
+    from kvmem.report.index import index_row
 
-    _check_format(format)
+    report_format = get_format(format)
     atlas = _as_atlas(atlas)
     pairs = list(dict.fromkeys((int(layer), int(neuron)) for layer, neuron in neurons))
     if not pairs:
@@ -120,13 +93,13 @@ def export_many(atlas, neurons: Iterable[tuple[int, int]], *, format: str = "htm
         from tqdm import tqdm  # plain: tqdm.auto warns in notebooks without ipywidgets
 
         rows = []
-        for layer, neuron in tqdm(pairs, desc="reports", unit="slot", disable=not progress):
-            path, data = _export(atlas, layer, neuron, format, tmp)
+        for layer, neuron in tqdm(pairs, desc="reports", unit="neuron", disable=not progress):
+            path, data = _export(atlas, layer, neuron, report_format, tmp)
             rows.append(index_row(data, path.name))
         provenance = {key: data["provenance"][key] for key in ("model", "fingerprint", "corpus", "tokens", "convention",
                                                                "kvmem_version", "exported_with")}
-        _write_text(tmp / f"index{FORMATS[format]}", render_index(rows, provenance, format=format))
-    return target / f"index{FORMATS[format]}"
+        write_text(tmp / f"index{report_format.suffix}", report_format.render_index(rows, provenance))
+    return target / f"index{report_format.suffix}"
 
 
 def _umask() -> int:
@@ -142,6 +115,6 @@ def _check_target(target: Path, overwrite: bool) -> None:
         raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
     if not target.is_dir():
         raise KvmemError(f"--out {target} is a file, not a directory; choose another --out")
-    if any(target.iterdir()) and not any((target / f"index{ext}").exists() for ext in FORMATS.values()):
+    if any(target.iterdir()) and not any((target / f"index{f.suffix}").exists() for f in FORMATS.values()):
         raise KvmemError(f"refusing to replace {target}: it is not empty and holds no kvmem report index; "
                          f"choose another --out")

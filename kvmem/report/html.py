@@ -1,4 +1,4 @@
-"""One self-contained HTML page per slot: inline CSS, figures as base64 PNG, no script, no fetch.
+"""One self-contained HTML page per neuron (inline CSS, figures as base64 PNG, no script, no fetch) and the index.
 
 Every untrusted string goes through :func:`kvmem.report.text.html_text`; a Content-Security-Policy
 (``default-src 'none'``) in the page is a second wall. Page skeleton and CSS: ``kvmem/templates``.
@@ -7,12 +7,16 @@ Every untrusted string goes through :func:`kvmem.report.text.html_text`; a Conte
 from __future__ import annotations
 
 import base64
+import hashlib
 from importlib import resources
+from pathlib import Path
 from string import Template
 
+from kvmem.report.index import INDEX_COLUMNS
 from kvmem.report.text import html_text as esc
+from kvmem.report.text import write_text
 
-__all__ = ["context_html", "fmt", "render_neuron", "template", "token_html"]
+__all__ = ["context_html", "fmt", "render_index", "render_neuron", "template", "token_html", "write_neuron"]
 
 TRIGGER_TITLES = {"top": "Top triggers", "bottom": "Bottom triggers",
                   "top_doc": "Top triggers, one per document", "bottom_doc": "Bottom triggers, one per document"}
@@ -76,14 +80,14 @@ def _header(data: dict) -> str:
     conventions = "; ".join(f"{esc(name)}{' (default)' if name == p['convention'] else ''}"
                             for name in p["conventions"])
     rows = [("Model", esc(p["model"])), ("Fingerprint", f'<span class="mono">{esc(p["fingerprint"])}</span>'),
-            ("Layer", str(data["layer"])), ("Slot", str(data["neuron"])),
-            ("FFN", f"{esc(p['activation'])}{', gated (two keys per slot)' if p['gated'] else ''}"),
+            ("Layer", str(data["layer"])), ("Neuron", str(data["neuron"])),
+            ("FFN", f"{esc(p['activation'])}{', gated (two keys per neuron)' if p['gated'] else ''}"),
             ("Corpus", esc(p["corpus"])), ("Tokens scanned", f"{p['tokens']:,}"),
             ("Projection conventions", conventions),
             ("kvmem version", f"atlas written by {esc(p['kvmem_version'])}, report by {esc(p['exported_with'])}")]
     table = "".join(f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in rows)
-    return (f"<h1>Memory slot L{data['layer']}/{data['neuron']}</h1>"
-            f'<p class="subtitle">{esc(p["model"])} · layer {data["layer"]}, slot {data["neuron"]}</p>'
+    return (f"<h1>Neuron L{data['layer']}/{data['neuron']}</h1>"
+            f'<p class="subtitle">{esc(p["model"])} · layer {data["layer"]}, neuron {data["neuron"]}</p>'
             f'<table class="meta">{table}</table>')
 
 
@@ -116,7 +120,7 @@ def _trigger_table(rows: list[dict], scale: float) -> str:
 def _triggers(data: dict, figures: dict) -> str:
     triggers = data["triggers"]
     scale = _scale(triggers)
-    note = ('<p class="note">Each context token is shaded by this slot\'s own coefficient there (orange positive, '
+    note = ('<p class="note">Each context token is shaded by this neuron\'s own coefficient there (orange positive, '
             f"blue negative; full colour at |m| = {scale:.3g}); hover a token for its value.</p>")
     out = ["<h2>Triggers</h2>", note]
     for kind in ("top", "bottom"):
@@ -145,7 +149,7 @@ def _projection_table(groups: dict, labels: tuple[str, str]) -> str:
 
 
 def _values(data: dict, figures: dict) -> str:
-    out = ["<h2>Value projection</h2>", ("<p>The value vector v read through the unembedding: the tokens this slot "
+    out = ["<h2>Value projection</h2>", ("<p>The value vector v read through the unembedding: the tokens this neuron "
                                          "adds logit to (promotes) and takes logit from (suppresses) per unit "
                                          "coefficient.</p>")]
     for convention, groups in data["values"].items():
@@ -158,7 +162,7 @@ def _values(data: dict, figures: dict) -> str:
 
 
 def _keys(data: dict) -> str:
-    gate = "; a gated slot has a second key, the gate g" if data["provenance"]["gated"] else ""
+    gate = "; a gated neuron has a second key, the gate g" if data["provenance"]["gated"] else ""
     out = ["<h2>Key projection</h2>",
            f"<p>Input-embedding tokens that best match the key (score = W<sub>E</sub>[token] · k, no norm){gate}.</p>"]
     for vector, groups in data["keys"].items():
@@ -191,8 +195,58 @@ def render_neuron(data: dict, figures: list) -> str:
     by_name = {figure.name: figure for figure in figures}
     body = (_header(data) + _stats(data, by_name) + _triggers(data, by_name) + _values(data, by_name) + _keys(data)
             + _agreement(data))
+    footer = (f'Written by kvmem {esc(_version())} from the atlas <span class="mono">{esc(data["provenance"]["atlas"])}'
+              "</span>; schema kvmem.neuron/1. Every number comes from the atlas files; nothing is fetched.")
+    return _page(f"L{data['layer']}/{data['neuron']} · {data['provenance']['model']}", body, footer)
+
+
+def _version() -> str:
     from kvmem import __version__
 
-    return Template(template("neuron.html")).substitute(
-        title=esc(f"L{data['layer']}/{data['neuron']} · {data['provenance']['model']}"), css=template("report.css"),
-        body=body, version=esc(__version__), atlas=esc(data["provenance"]["atlas"]))
+    return __version__
+
+
+def _page(title: str, body: str, footer: str, *, script: str | None = None) -> str:
+    """A whole page from ``templates/page.html``: ``body`` and ``footer`` are HTML; a ``script`` is allowed by its hash."""
+    policy, tag = "", ""
+    if script is not None:
+        digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+        policy, tag = f"; script-src 'sha256-{digest}'", f"<script>{script}</script>"
+    return Template(template("page.html")).substitute(
+        title=esc(title), css=template("report.css"), body=body, footer=footer, script_policy=policy, script=tag,
+        version=esc(_version()))
+
+
+def write_neuron(record, data: dict, out: Path, stem: str) -> Path:
+    """Write ``out/stem.html``: one self-contained page, figures embedded."""
+    from kvmem.report.figures import neuron_figures
+
+    path = out / f"{stem}.html"
+    write_text(path, render_neuron(data, neuron_figures(record, data)))
+    return path
+
+
+def render_index(rows: list[dict], provenance: dict) -> str:
+    """The sortable index page of ``kvmem.index/1`` rows (its only script is ``templates/index.js``, CSP-hashed)."""
+    p = provenance
+    head = "".join(f'<th class="sortable num" data-key="{key}">{label}</th>' for label, key, _ in INDEX_COLUMNS)
+    body = []
+    for row in rows:
+        cells = "".join(f'<td class="num" data-v="{row[key] if row[key] is not None else "-Infinity"}">{fmt(row[key], spec)}</td>'
+                        for _, key, spec in INDEX_COLUMNS)
+        trigger = token_html(row["top_trigger"])
+        promotes = " ".join(token_html(t) for t in row["promotes"])
+        body.append(f'<tr><td data-v="{esc(row["file"])}"><a href="{esc(row["file"])}">L{row["layer"]}/{row["neuron"]}'
+                    f'</a></td>{cells}<td data-v="{esc(row["top_trigger"])}">{trigger}</td>'
+                    f'<td data-v="{esc(" ".join(row["promotes"]))}">{promotes}</td></tr>')
+    table = ('<table class="bt sortable-table"><thead><tr><th class="sortable" data-key="report">report</th>' + head
+             + '<th class="sortable" data-key="top_trigger">top trigger</th>'
+             + '<th class="sortable" data-key="promotes">promotes ('
+             + esc(p["convention"]) + f')</th></tr></thead><tbody>{"".join(body)}</tbody></table>')
+    title = f"kvmem reports · {p['model']}"
+    body_html = (f"<h1>Neuron reports</h1><p class=\"subtitle\">{esc(p['model'])} · corpus {esc(p['corpus'])} · "
+                 f"{p['tokens']:,} tokens · {len(rows)} neurons</p>"
+                 f'<p class="note">Model fingerprint <span class="mono">{esc(p["fingerprint"])}</span>; atlas written by '
+                 f"kvmem {esc(p['kvmem_version'])}. Active: fraction of positions with m &gt; 0.</p>{table}")
+    footer = f"Written by kvmem {esc(_version())}. Click a column heading to sort. Each row links to its report."
+    return _page(title, body_html, footer, script=template("index.js"))

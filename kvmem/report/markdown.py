@@ -1,4 +1,4 @@
-"""One Markdown page per slot, for GitHub: figures are PNG files beside it (``<stem>_files/``).
+"""One Markdown page per neuron, for GitHub (figures are PNG files beside it, ``<stem>_files/``), and the index.
 
 Untrusted text is backslash-escaped (:func:`~kvmem.report.text.md_text`) or code-quoted
 (:func:`~kvmem.report.text.md_code`), so no corpus string renders as markup or HTML.
@@ -6,10 +6,13 @@ Untrusted text is backslash-escaped (:func:`~kvmem.report.text.md_text`) or code
 
 from __future__ import annotations
 
-from kvmem.report.html import TRIGGER_TITLES, fmt
-from kvmem.report.text import md_code, md_text
+from pathlib import Path
 
-__all__ = ["context_md", "render_neuron"]
+from kvmem.report.html import TRIGGER_TITLES, fmt
+from kvmem.report.index import INDEX_COLUMNS
+from kvmem.report.text import md_code, md_text, write_text
+
+__all__ = ["context_md", "render_index", "render_neuron", "write_neuron"]
 
 
 def context_md(trigger: dict) -> str:
@@ -61,11 +64,11 @@ def render_neuron(data: dict, figures: list, *, folder: str) -> str:
     p, s = data["provenance"], data["stats"]
     captions = {figure.name: figure.caption for figure in figures}
     layer, neuron = data["layer"], data["neuron"]
-    out = [f"# Memory slot L{layer}/{neuron}", "",
+    out = [f"# Neuron L{layer}/{neuron}", "",
            _table(["field", "value"], [
                ["model", md_text(p["model"])], ["fingerprint", md_code(p["fingerprint"])],
-               ["layer", str(layer)], ["slot", str(neuron)],
-               ["FFN", md_text(p["activation"] + (", gated (two keys per slot)" if p["gated"] else ""))],
+               ["layer", str(layer)], ["neuron", str(neuron)],
+               ["FFN", md_text(p["activation"] + (", gated (two keys per neuron)" if p["gated"] else ""))],
                ["corpus", md_text(p["corpus"])], ["tokens scanned", f"{p['tokens']:,}"],
                ["projection conventions", ", ".join(md_text(c) + (" (default)" if c == p["convention"] else "")
                                                    for c in p["conventions"])],
@@ -106,3 +109,32 @@ def render_neuron(data: dict, figures: list, *, folder: str) -> str:
             out += ["", f"- {md_text(a['convention'])}, {a['triggers']} triggers: {hits}"]
     out += ["", "---", f"*Written by kvmem {md_text(p['exported_with'])}; schema kvmem.neuron/1.*", ""]
     return "\n".join(out)
+
+
+def write_neuron(record, data: dict, out: Path, stem: str) -> Path:
+    """Write ``out/stem.md`` and its figures as PNG files in ``out/stem_files/``."""
+    from kvmem.report.figures import neuron_figures
+
+    figures = neuron_figures(record, data)
+    folder = out / f"{stem}_files"
+    folder.mkdir(exist_ok=True)
+    for figure in figures:
+        (folder / f"{figure.name}.png").write_bytes(figure.png)
+    path = out / f"{stem}.md"
+    write_text(path, render_neuron(data, figures, folder=folder.name))
+    return path
+
+
+def render_index(rows: list[dict], provenance: dict) -> str:
+    """The index as a Markdown table linking to each report."""
+    p = provenance
+    lines = ["# Neuron reports", "",
+             f"{md_text(p['model'])} · corpus {md_text(p['corpus'])} · {p['tokens']:,} tokens · {len(rows)} neurons", "",
+             "| report | " + " | ".join(label for label, _, _ in INDEX_COLUMNS) + " | top trigger | promotes |",
+             "|---|" + "---:|" * len(INDEX_COLUMNS) + "---|---|"]
+    for row in rows:
+        cells = [fmt(row[key], spec) for _, key, spec in INDEX_COLUMNS]
+        promotes = " ".join(md_code(t) for t in row["promotes"])
+        lines.append(f"| [L{row['layer']}/{row['neuron']}](<{row['file']}>) | " + " | ".join(cells)
+                     + f" | {md_code(row['top_trigger'])} | {promotes} |")
+    return "\n".join(lines) + "\n"

@@ -1,10 +1,10 @@
-"""One memory slot as plain data: the ``kvmem.neuron/1`` schema (the JSON report; HTML and Markdown render it).
+"""One neuron as plain data: the ``kvmem.neuron/1`` schema (the JSON report; HTML and Markdown render it).
 
 Every string is cleaned (lone surrogates -> U+FFFD) but otherwise kept as it is: renderers escape.
 Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
 
     schema        "kvmem.neuron/1"
-    layer, neuron int: FFN layer and slot i
+    layer, neuron int: FFN layer and neuron i
     provenance    {model, fingerprint, corpus, tokens, convention (the default one), conventions
                    (name -> definition, every stored convention), kvmem_version (that wrote the atlas),
                    exported_with (kvmem version that wrote this report), gated (bool), activation (str),
@@ -52,9 +52,10 @@ def _number(value):
 
 
 def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
-    """The ``kvmem.neuron/1`` dict of one slot (``record``: its :class:`NeuronRecord`, if already read)."""
+    """The ``kvmem.neuron/1`` dict of one neuron (``record``: its :class:`NeuronRecord`, if already read)."""
     from kvmem import __version__
-    from kvmem.schema import CONVENTIONS, KEY_VECTORS
+    from kvmem.conventions import CONVENTIONS
+    from kvmem.schema import KEY_VECTORS
 
     record = record if record is not None else atlas.neuron(layer, neuron)
     manifest = atlas.manifest
@@ -70,7 +71,8 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
             "corpus": clean(provenance["corpus"]),
             "tokens": int(provenance["tokens"]),
             "convention": provenance["convention"],
-            "conventions": {name: CONVENTIONS.get(name, "") for name in atlas.conventions},
+            "conventions": {name: CONVENTIONS[name].formula if name in CONVENTIONS else ""
+                            for name in atlas.conventions},
             "kvmem_version": clean(provenance["kvmem_version"]),
             "exported_with": __version__,
             "gated": bool(model.get("gated", False)),

@@ -14,7 +14,7 @@ import html
 import re
 import unicodedata
 
-__all__ = ["clean", "html_text", "md_code", "md_text", "mpl_text", "visible"]
+__all__ = ["clean", "html_text", "md_code", "md_text", "mpl_text", "visible", "write_text"]
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _SHOWN = {"\n": "↵", "\t": "⇥", "\r": "␍"}
@@ -81,3 +81,8 @@ def mpl_text(text, *, limit: int | None = None) -> str:
     if limit is not None and len(text) > limit:
         text = text[:limit - 1] + "…"
     return text.replace("$", r"\$")
+
+
+def write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` as UTF-8; lone surrogates were cleaned, so this never fails on content."""
+    path.write_bytes(text.encode("utf-8", errors="replace"))
