@@ -121,7 +121,11 @@ class Atlas:
 
     @property
     def default_convention(self) -> str:
-        """:data:`kvmem.conventions.DEFAULT_CONVENTION` if this atlas holds it, else its first convention."""
+        """The default the atlas records (format 2); for older atlases :data:`kvmem.conventions.DEFAULT_CONVENTION`
+        if the atlas holds it, else its first convention."""
+        recorded = self.manifest.get("projection", {}).get("default_convention")
+        if recorded is not None:
+            return recorded
         return DEFAULT_CONVENTION if DEFAULT_CONVENTION in self.conventions else self.conventions[0]
 
     def provenance(self, convention: str | None = None) -> dict:

@@ -15,7 +15,7 @@ layer and hold at most ``ROW_GROUP_NEURONS`` neurons, so a selection reads one r
 
 from __future__ import annotations
 
-__all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS", "CONVENTIONS", "KEY_VECTORS",
+__all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS", "KEY_VECTORS",
            "arrow_schema", "conform"]
 
 # 2: manifest records the batching plan (block_documents, batch_size, max_tokens) and timing per
@@ -28,12 +28,6 @@ OPTIONAL_TABLES = ("samples", "sample_contexts")  # absent when samples are swit
 SAMPLE_KINDS = ("random", "bin")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
-CONVENTIONS = {
-    "raw": "score = W_U^T v (LM-Debugger's reading: no final norm)",
-    "final_norm": "score = W_U^T (gain * centre(v)) for LayerNorm, W_U^T (gain * v) for RMSNorm: the final "
-                  "norm's linear part (as ffn-values and OpenAI's neuron viewer); the positive scale 1/sigma and "
-                  "the bias are dropped, so rankings equal lm_head(ln_f(v)) up to the bias's constant offset",
-}
 KEY_VECTORS = ("key", "gate")  # key: W1 / W_up row; gate: W_gate row (gated FFNs only)
 
 # table -> column -> meaning (the order is the column order on disk)
@@ -76,7 +70,7 @@ COLUMNS: dict[str, dict[str, str]] = {
     "values": {
         "layer": "int16",
         "neuron": "int32",
-        "convention": "string: raw | final_norm (see CONVENTIONS)",
+        "convention": "string: a projection convention (kvmem.conventions.CONVENTIONS)",
         "kind": "string: promote | suppress",
         "rank": "int16, 0 = strongest",
         "token_id": "int32",

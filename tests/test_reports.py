@@ -102,8 +102,12 @@ def test_text_helpers():
 def test_default_convention_is_the_registry_default_else_what_the_atlas_has(atlas):
     assert atlas.default_convention == DEFAULT_CONVENTION and atlas.provenance()["convention"] == DEFAULT_CONVENTION
     raw_only = Atlas(atlas.path)
-    raw_only.manifest = {**atlas.manifest, "scan": {**atlas.manifest["scan"], "conventions": ["raw"]}}
+    raw_only.manifest = {**atlas.manifest, "scan": {**atlas.manifest["scan"], "conventions": ["raw"]},
+                         "projection": {**atlas.manifest["projection"], "default_convention": "raw"}}
     assert raw_only.default_convention == "raw" == raw_only.provenance()["convention"]
+    older = Atlas(atlas.path)  # format 1 recorded no default: the registry's if held, else the first one
+    older.manifest = {**raw_only.manifest, "projection": {}}
+    assert older.default_convention == "raw"
 
 
 def test_json_schema_matches_atlas(atlas, best, tmp_path):

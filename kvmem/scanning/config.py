@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from kvmem.errors import KvmemError
-from kvmem.schema import CONVENTIONS
+from kvmem.conventions import CONVENTIONS
 
 __all__ = ["ScanConfig", "parse_shard"]
 
@@ -24,7 +24,7 @@ class ScanConfig:
     context_before / context_after: context tokens kept around each trigger
     context_activations: recompute each trigger's neuron on its context tokens (one more forward per window with triggers)
     top_n:            tokens kept per value / key projection, each direction
-    conventions:      value projection conventions (see kvmem.schema.CONVENTIONS)
+    conventions:      value projection conventions (see kvmem.conventions.CONVENTIONS)
     key_projections:  also project key (and gate) vectors through the input embedding
     shard:            (i, n): scan the blocks of documents b with b % n == i (see kvmem.plan)
     block_documents:  documents per block, the unit that shards and ranks share out

@@ -21,9 +21,10 @@ import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
+from kvmem.conventions import value_vectors
 from kvmem.models import Model
 
-__all__ = ["Projection", "project_rows", "value_vectors", "key_vectors", "projection_tables",
+__all__ = ["Projection", "project_rows", "key_vectors", "projection_tables",
            "cached_projection_files"]
 
 _CACHE_VERSION = 1
@@ -51,16 +52,6 @@ def project_rows(vectors: Tensor, basis: Tensor, n: int, *, block: int = 512) ->
             bottom = torch.topk(scores, n, dim=1, largest=False)
             parts.append((top.indices, top.values, bottom.indices, bottom.values))
     return Projection(*(torch.cat([p[i] for p in parts]).cpu() for i in range(4)))
-
-
-def value_vectors(model: Model, layer: int, convention: str) -> Tensor:
-    """Value vectors of a layer as the convention reads them [d_ff, d_model]."""
-    values = model.values(layer).float()
-    if convention == "raw":
-        return values
-    if convention == "final_norm":
-        return model.final_norm().linear_part(values).float()
-    raise ValueError(f"unknown convention {convention!r}")
 
 
 def key_vectors(model: Model, layer: int) -> dict[str, Tensor]:

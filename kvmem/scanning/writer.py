@@ -20,7 +20,8 @@ from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.texts import trigger_texts
-from kvmem.schema import CONVENTIONS, FORMAT_VERSION, conform
+from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
+from kvmem.schema import FORMAT_VERSION, conform
 
 __all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
            "STATE_DIR"]
@@ -290,7 +291,9 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
         "scan": scan,
         "histogram": {"bins": HIST_BINS, "edges": [e if np.isfinite(e) else ("inf" if e > 0 else "-inf")
                                                    for e in bin_edges()]},
-        "projection": {"conventions": {c: CONVENTIONS[c] for c in config.conventions}, "top_n": config.top_n,
+        "projection": {"conventions": {c: CONVENTIONS[c].formula for c in config.conventions},
+                       "default_convention": DEFAULT_CONVENTION if DEFAULT_CONVENTION in config.conventions
+                       else config.conventions[0], "top_n": config.top_n,
                        "keys": "score = W_E[token] . k (input embedding, no norm)"},
         "timing": timing,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
