@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from kvmem.errors import KvmemError
 from kvmem.conventions import CONVENTIONS
+from kvmem.errors import KvmemError
 
 __all__ = ["ScanConfig", "parse_shard"]
 

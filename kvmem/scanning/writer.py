@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvmem.atomic import staged_directory
+from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.models import Model
 from kvmem.plan import TokenPlan, unpack
 from kvmem.scanning.accumulator import LayerState
@@ -20,7 +21,6 @@ from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.texts import trigger_texts
-from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.schema import FORMAT_VERSION, conform
 
 __all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
