@@ -29,9 +29,9 @@ from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.runner import token_plan
 
 
-def bare_forward(model, corpus: str, tokens: int) -> float:
+def bare_forward(model, corpus: str, tokens: int, *, batch_size: int = 8) -> float:
     """Seconds of the HF forward (with logits) over the scan's own batches."""
-    plan = token_plan(model, ScanConfig(max_tokens=tokens))
+    plan = token_plan(model, ScanConfig(max_tokens=tokens, batch_size=batch_size))
     batches = []
     for item in iterate_batches(kvmem.corpus.open_corpus(corpus), model.tokenizer, plan, StreamPosition()):
         if isinstance(item, Batch):
@@ -40,9 +40,12 @@ def bare_forward(model, corpus: str, tokens: int) -> float:
             for row, w in enumerate(item.windows):
                 ids[row, :plan.offset + len(w.tokens)] = torch.tensor(plan.model_input(w.tokens))
             batches.append(ids)
+    cuda = str(model.device).startswith("cuda")
     with Timer() as timer, torch.inference_mode():
         for ids in batches:
-            model.hf_model(ids.to(model.device)).logits.sum().item()
+            model.hf_model(ids.to(model.device))
+        if cuda:
+            torch.cuda.synchronize()
     return timer.seconds
 
 

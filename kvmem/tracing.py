@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvmem.capture import capture
 from kvmem.conventions import DEFAULT_CONVENTION, convention_vectors, get_convention
 from kvmem.errors import KvmemError
 
@@ -169,18 +170,11 @@ def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Ten
     if missing:
         raise KvmemError(f"this model's bridge has no hook {missing[0]}; trace needs hook_post, hook_out and "
                          f"hook_resid_post in every layer")
-    captured: dict[str, Tensor] = {}
-
-    def capture(name: str):
-        def hook(tensor, hook):  # tensor [batch, pos, d]
-            captured[name] = tensor[0, position].detach().float().clone()
-
-        return hook
-
     tokens = torch.tensor([ids], device=model.device)  # [batch=1, pos]
-    with torch.no_grad(), model.bridge.hooks(fwd_hooks=[(n, capture(n)) for n in names]):
-        logits = model.bridge(tokens)  # [1, pos, vocab]
-    return captured, logits[0, position].detach().float()
+    at = (torch.tensor([0]), torch.tensor([position]))
+    captured = capture(model, tokens, names, positions=at, stop_early=False, logits_at=at)
+    logits = captured.pop("logits")[0]  # [vocab]
+    return {name: value[0] for name, value in captured.items()}, logits
 
 
 def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int | None = 10,

@@ -1,0 +1,76 @@
+"""The one way kvmem reads a model's activations: hooks by TransformerLens name, optional
+position gather, and an early stop.
+
+Every reader (the scan, the experiments, tracing) calls :func:`capture`. Its hooks live only
+inside ``model.bridge.hooks``, which removes them in ``finally``, also after an exception. With
+``stop_early`` the forward ends as soon as every requested hook has fired: nothing after the
+last one (later blocks, the final norm, the unembedding) is computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvmem.errors import KvmemError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from kvmem.models import Model
+
+__all__ = ["capture"]
+
+
+class _StopForward(Exception):
+    """Raised once every requested hook has fired: the rest of the forward is skipped."""
+
+
+def capture(model: Model, input_ids: Tensor, hook_names: Sequence[str], *,
+            on_capture: Callable[[str, Tensor], None] | None = None,
+            positions: tuple[Tensor, Tensor] | None = None, stop_early: bool = True,
+            logits_at: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor]:
+    """Run the model on ``input_ids`` [batch, pos] and read ``hook_names``.
+
+    ``positions``: None reads whole tensors [batch, pos, d]; (rows [n], cols [n]) gathers [n, d].
+    ``on_capture(name, tensor)``: called as each hook fires (tensors are then not kept); without
+    it, the tensors are returned by name (detached, float32; gathered ones moved to the CPU).
+    ``stop_early``: end the forward after the last hook (then no logits); otherwise the forward
+    runs to the end and, with ``logits_at`` (rows, cols), the logits there come back as
+    ``"logits"`` [n, vocab].
+    """
+    import torch
+
+    hook_dict = model.bridge.hook_dict
+    missing = [name for name in hook_names if name not in hook_dict]
+    if missing:
+        raise KvmemError(f"this model's bridge has no hook {missing[0]}; see model.bridge.hook_dict for the sites")
+    wanted = set(hook_names)
+    fired: set[str] = set()
+    captured: dict[str, Tensor] = {}
+    where = None if positions is None else tuple(p.to(model.device) for p in positions)
+
+    def make_hook(name: str):
+        def hook(tensor: Tensor, hook) -> Tensor:  # noqa: ARG001 - TransformerLens passes the hook point too
+            value = tensor.detach() if where is None else tensor.detach()[where[0], where[1]]  # [..., d]
+            if on_capture is not None:
+                on_capture(name, value)
+            else:
+                captured[name] = value.float() if where is None else value.float().cpu()
+            fired.add(name)
+            if stop_early and fired == wanted:
+                raise _StopForward
+            return tensor
+
+        return hook
+
+    with torch.inference_mode(), model.bridge.hooks(fwd_hooks=[(name, make_hook(name)) for name in hook_names]):
+        try:
+            logits = model.bridge(input_ids.to(model.device), return_type=None if stop_early else "logits")
+        except _StopForward:
+            logits = None
+    if fired != wanted:
+        raise KvmemError(f"hook(s) {sorted(wanted - fired)} never fired in the forward pass; this bridge does not run them")
+    if logits_at is not None and logits is not None:
+        captured["logits"] = logits[logits_at[0].to(logits.device), logits_at[1].to(logits.device)].detach().float().cpu()
+    return captured
