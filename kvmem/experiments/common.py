@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONVENTIONS",
+    "SIDES",
     "FingerprintWarning",
     "as_atlas",
     "atlas_corpus",
@@ -33,10 +35,13 @@ __all__ = [
     "check_positive",
     "check_seed",
     "convention_vectors",
+    "conventions_for",
+    "memory_sides",
     "model_for_atlas",
     "provenance",
     "read_columns",
     "single_cycle",
+    "trigger_kind",
     "value_top_tokens",
 ]
 
@@ -79,6 +84,44 @@ def check_convention(convention: str, atlas: Atlas | None = None) -> None:
                          f"{', '.join(atlas.conventions)}: pick one of those or rescan with --conventions {convention}")
 
 
+def conventions_for(convention: str | Sequence[str] | None, atlas: Atlas | None = None) -> list[str]:
+    """The projection conventions to report: one name, several, or None for every known one (``raw`` first,
+    Geva et al.'s reading). Each is checked (:func:`check_convention`); the one place that resolves them."""
+    names = list(CONVENTIONS) if convention is None else [convention] if isinstance(convention, str) else list(convention)
+    if not names:
+        raise KvmemError(f"no projection convention given; choose from {', '.join(CONVENTIONS)}")
+    for name in names:
+        check_convention(name, atlas)
+    return list(dict.fromkeys(names))
+
+
+# side -> (trigger kind prefix, value kind, sign): a signed slot is two memories (Geva et al. 2022 read m_i v_i)
+SIDES = {
+    "positive": ("top", "promote", 1),  # the top triggers (largest m_i) with +v: the value's promoted tokens
+    "negative": ("bottom", "suppress", -1),  # the bottom triggers (most negative m_i) with -v: its suppressed tokens
+}
+
+
+def memory_sides(gated: bool, sides: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The memories a slot is read as: ``("positive",)`` for ReLU/GELU FFNs (the paper's reading), both sides
+    for signed (gated SwiGLU/GeGLU) ones. ``sides`` overrides the default (a name or several)."""
+    if sides is None:
+        return ("positive", "negative") if gated else ("positive",)
+    chosen = (sides,) if isinstance(sides, str) else tuple(dict.fromkeys(sides))
+    unknown = [s for s in chosen if s not in SIDES]
+    if unknown or not chosen:
+        raise KvmemError(f"unknown memory side(s) {unknown or '(none)'}; choose from {', '.join(SIDES)}")
+    return chosen
+
+
+def trigger_kind(side: str, kind: str) -> str:
+    """The atlas trigger kind of a memory side: ``kind`` is ``top`` (top-k positions) or ``top_doc`` (one per
+    document); the negative side reads the matching ``bottom`` / ``bottom_doc`` triggers."""
+    if kind not in ("top", "top_doc"):
+        raise KvmemError(f"kind must be 'top' or 'top_doc' (the negative side reads bottom / bottom_doc), got {kind!r}")
+    return SIDES[side][0] + kind.removeprefix("top")
+
+
 def as_atlas(atlas: Atlas | str | os.PathLike) -> Atlas:
     """An :class:`~kvmem.atlas.Atlas`, opening a directory path if given one."""
     from kvmem.atlas import Atlas
@@ -87,16 +130,18 @@ def as_atlas(atlas: Atlas | str | os.PathLike) -> Atlas:
 
 
 def read_columns(atlas: Atlas, table: str, columns: list[str], filters: list | None = None) -> pd.DataFrame:
-    """A few columns of an atlas table, rows filtered by pyarrow ``filters`` (never the whole table in memory)."""
-    import pyarrow.parquet as pq
+    """A few columns of an atlas table (through :meth:`Atlas.table`), rows kept where every filter holds.
 
-    path = atlas.path / f"{table}.parquet"
-    if not path.exists():
-        raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
-    try:
-        return pq.read_table(path, columns=columns, filters=filters).to_pandas()
-    except (OSError, ValueError) as error:
-        raise KvmemError(f"cannot read {columns} from {path} ({str(error).splitlines()[0]}); scan again") from None
+    ``filters``: (column, op, value) triples, op one of ``=``, ``<``, ``<=``, ``>``, ``>=``, ``in``.
+    """
+    ops = {"=": np.equal, "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal}
+    filters = list(filters or [])
+    frame = atlas.table(table, sorted(set(columns) | {f[0] for f in filters}))
+    keep = np.ones(len(frame), bool)
+    for column, op, value in filters:
+        data = frame[column].to_numpy()
+        keep &= np.isin(data, list(value)) if op == "in" else ops[op](data, value)
+    return frame.loc[keep, list(columns)].reset_index(drop=True)
 
 
 def atlas_layers(atlas: Atlas, layers: Any = None) -> list[int]:
