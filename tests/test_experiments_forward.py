@@ -183,9 +183,9 @@ def test_cli_agreement_and_outputs(atlas, tmp_path, capsys):
     assert main(["experiment", "agreement", "--atlas", str(atlas.path), "--top-triggers", "1,2", "--kind", "top_doc",
                  "--out", str(out), "--plot", str(tmp_path / "agreement.png")]) == 0
     printed = capsys.readouterr().out
-    assert "agree_top1" in printed and "convention final_norm" in printed
+    assert "agree_top1" in printed and "convention raw, final_norm" in printed
     data = json.loads(out.read_text())
-    assert data["provenance"]["settings"]["top_triggers"] == [1, 2] and len(data["rows"]) == 2
+    assert data["provenance"]["settings"]["top_triggers"] == [1, 2] and len(data["rows"]) == 4  # 2 layers x 2 conventions
     assert (tmp_path / "agreement.png").stat().st_size > 0
 
 
@@ -263,6 +263,7 @@ def test_geva2021_notebook_is_generated_and_cleared():
     assert not any(c.get("outputs") or c.get("execution_count") for c in committed.cells if c.cell_type == "code")
     source = "\n".join(c.source for c in committed.cells)
     for name in ("token_removal", "agreement", "next_token_rank", "active_memories", "layer_vs_memories",
+                 "reproduce_geva2021", "load_results", "KVMEM_GEVA2021_RESULTS",
                  "KVMEM_NOTEBOOK_TOKENS", "KVMEM_NOTEBOOK_FAST", 'MODEL = "smollm2-135m"',
                  "hf:wikitext:wikitext-103-raw-v1:train"):
         assert name in source
@@ -288,3 +289,15 @@ def test_lm_quality_is_the_models_own_loss(gpt2_model):
     assert frame.accuracy.between(0, 1).all()
     with pytest.raises(KvmemError, match="not a single token"):
         E.lm_quality(gpt2_model, docs, bos="<|im_start|>")
+
+
+@pytest.mark.slow
+def test_smollm2_windows_start_with_endoftext_the_better_lm():
+    """SmolLM2's default window start is <|endoftext|> (kvmem.builtin.SCAN_BOS), chosen because it predicts plain
+    text better than the tokenizer's chat BOS <|im_start|>."""
+    model = kvmem.load_model("smollm2-135m", device="cpu")
+    assert model.bos_token_id == 0 and model.tokenizer.bos_token_id == 1
+    frame = E.lm_quality(model, "stdlib-docs", unit="sentence", max_tokens=600, bos=("default", "<|im_start|>"),
+                         n_boot=20)
+    assert frame.bos_token.tolist() == ["<|endoftext|>", "<|im_start|>"]
+    assert frame.perplexity.iloc[0] < frame.perplexity.iloc[1]
