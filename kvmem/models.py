@@ -301,6 +301,12 @@ class Model:
     # ---- tokens ----
     @cached_property
     def bos_token_id(self) -> int | None:
+        """The token a scanned window starts with: the tokenizer's BOS, unless :data:`kvmem.builtin.SCAN_BOS`
+        names a better one for this built-in model."""
+        from kvmem.builtin import SCAN_BOS
+
+        if self.name in SCAN_BOS:
+            return int(self.tokenizer.convert_tokens_to_ids(SCAN_BOS[self.name]))
         return self.tokenizer.bos_token_id
 
     def encode(self, text: str) -> list[int]:

@@ -81,7 +81,7 @@ def context_free(gpt2_dir, tmp_path_factory):
 
 
 def _fake_atlas(path: Path, triggers: pd.DataFrame, values: pd.DataFrame, *, d_ff: int, vocab_size: int,
-                top_k: int) -> Path:
+                top_k: int, gated: bool = False) -> Path:
     """A minimal atlas directory (manifest + triggers + values) with hand-written rows."""
     import pyarrow as pa
 
@@ -91,7 +91,7 @@ def _fake_atlas(path: Path, triggers: pd.DataFrame, values: pd.DataFrame, *, d_f
     manifest = {
         "format_version": FORMAT_VERSION, "kvmem_version": kvmem.__version__,
         "model": {"name": "hand-built", "fingerprint": "sha256:none", "d_ff": d_ff, "vocab_size": vocab_size,
-                  "gated": False},
+                  "gated": gated},
         "corpus": {"spec": "list[0]", "unit": "document"}, "tokens": 0, "layers": sorted(values.layer.unique().tolist()),
         "tokenization": {"window": 8, "prepend_bos": False, "bos_token_id": None, "rule": "-"},
         "scan": {"top_k": top_k, "per_document": False, "conventions": ["final_norm"]},

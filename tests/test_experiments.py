@@ -22,8 +22,9 @@ from experiment_fixtures import _edited_gpt2, _fake_atlas, _scan
 
 import kvmem
 from kvmem import experiments as E
+from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import convention_vectors, single_cycle, value_top_tokens
+from kvmem.experiments.common import single_cycle, value_top_tokens
 from kvmem.experiments.ranks import SUMMARY_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,24 +49,29 @@ def _frames_half():
 
 def test_agreement_from_frames_is_exactly_one_half():
     triggers, values = _frames_half()
-    frame = E.agreement_from_frames(triggers, values, vocab_size=1000, top_triggers=(1, 2))
+    frame = E.agreement_from_frames(triggers, values, vocab_size=1000, top_triggers=(1, 2), n_boot=50)
     row = frame.iloc[0]
-    assert list(frame.columns) == ["layer", "keys", "agree_top1", "shuffled_top1", "random_top1", "agree_top2",
-                                   "shuffled_top2", "random_top2"]
-    assert row["keys"] == 4
+    assert list(frame.columns) == ["layer", "neurons"] + [
+        f"{p}_top{k}{q}" for k in (1, 2) for p, q in (("agree", ""), ("agree", "_ci_low"), ("agree", "_ci_high"),
+                                                      ("null", ""), ("chance", ""))]
+    assert row["neurons"] == 4
     assert row["agree_top1"] == 0.5
     assert row["agree_top2"] == 0.75
-    assert row["random_top1"] == 1 / 1000
-    # distinct next tokens among the top-2 valid triggers: key0 {10, 5}, key1 {11}, key2 {99, 12}, key3 {7, 8}
-    assert row["random_top2"] == pytest.approx((2 + 1 + 2 + 2) / 4 / 1000)
+    assert row["chance_top1"] == 1 / 1000
+    # distinct next tokens among the top-2 valid triggers: neuron0 {10, 5}, neuron1 {11}, neuron2 {99, 12}, neuron3 {7, 8}
+    assert row["chance_top2"] == pytest.approx((2 + 1 + 2 + 2) / 4 / 1000)
+    # exact null: the value tokens are distinct, so it counts (neuron, value) hits / n^2: top-1 sets {10}, {11}, {99},
+    # {7} hold 2 value tokens; top-2 sets {10, 5}, {11}, {99, 12}, {7, 8} hold 3
+    assert row["null_top1"] == 2 / 16 and row["null_top2"] == 3 / 16
+    assert row["agree_top1_ci_low"] <= 0.5 <= row["agree_top1_ci_high"]
 
 
-def test_agreement_shuffled_baseline_pairs_keys_with_other_values():
-    # two keys whose next tokens are each other's value tokens: own agreement 0, shuffled (a swap) 1
+def test_agreement_null_pairs_neurons_with_other_values():
+    # two neurons whose next tokens are each other's value tokens: own agreement 0, null 1/2 (swap or not)
     triggers = pd.DataFrame({"layer": [3, 3], "neuron": [0, 1], "rank": [0, 0], "next_token_id": [21, 20]})
     values = pd.DataFrame({"layer": [3, 3], "neuron": [0, 1], "token_id": [20, 21]})
-    row = E.agreement_from_frames(triggers, values, vocab_size=50, top_triggers=(1,)).iloc[0]
-    assert (row["layer"], row["agree_top1"], row["shuffled_top1"]) == (3, 0.0, 1.0)
+    row = E.agreement_from_frames(triggers, values, vocab_size=50, top_triggers=(1,), n_boot=20).iloc[0]
+    assert (row["layer"], row["agree_top1"], row["null_top1"]) == (3, 0.0, 0.5)
 
 
 @pytest.mark.parametrize("n", [2, 3, 10, 257])
@@ -82,7 +88,7 @@ def test_single_cycle_moves_every_key(n):
 
 def test_agreement_on_a_hand_built_atlas_directory(tmp_path):
     triggers, values = _frames_half()
-    triggers = triggers.assign(kind="top")
+    triggers = triggers.assign(kind="top", token_id=1)
     values = values.assign(convention="final_norm", kind="promote", rank=0)
     path = _fake_atlas(tmp_path / "fake", triggers, values, d_ff=4, vocab_size=1000, top_k=3)
     frame = E.agreement(path, top_triggers=(1, 2))
@@ -96,10 +102,11 @@ def test_agreement_on_a_hand_built_atlas_directory(tmp_path):
         E.agreement(path, kind="top_doc")
     with pytest.raises(KvmemError, match="not in atlas"):
         E.agreement(path, convention="raw")
+    assert frame.side.tolist() == ["positive"]  # a ReLU/GELU atlas: the paper's positive side only
 
 
 def test_agreement_on_a_scanned_atlas_matches_pandas(atlas):
-    frame = E.agreement(atlas, top_triggers=(1, 3), kind="top_doc")
+    frame = E.agreement(atlas, top_triggers=(1, 3), kind="top_doc", convention="final_norm")
     triggers = atlas.table("triggers")
     values = atlas.table("values")
     tops = values[(values.convention == "final_norm") & (values.kind == "promote") & (values["rank"] == 0)]
@@ -114,11 +121,11 @@ def test_agreement_on_a_scanned_atlas_matches_pandas(atlas):
 
 
 def test_a_layer_result_does_not_depend_on_the_other_layers(atlas, gpt2_model):
-    full = E.agreement(atlas, seed=5)
-    alone = E.agreement(atlas, seed=5, layers=[1])
+    full = E.agreement(atlas, seed=5, n_boot=50)
+    alone = E.agreement(atlas, seed=5, layers=[1], n_boot=50)
     pd.testing.assert_frame_equal(full[full.layer == 1].reset_index(drop=True), alone)
-    both = E.token_removal_samples(atlas, gpt2_model, keys_per_layer=3, triggers=2, seed=2)
-    one = E.token_removal_samples(atlas, gpt2_model, keys_per_layer=3, triggers=2, seed=2, layers=[1])
+    both = E.token_removal_samples(atlas, gpt2_model, neurons_per_layer=3, triggers=2, seed=2)
+    one = E.token_removal_samples(atlas, gpt2_model, neurons_per_layer=3, triggers=2, seed=2, layers=[1])
     pd.testing.assert_frame_equal(both[both.layer == 1].reset_index(drop=True), one)
     with pytest.raises(KvmemError, match="seed must be"):
         E.agreement(atlas, seed=-1)
@@ -146,7 +153,7 @@ def test_pair_ranks_in_blocks_equals_the_full_matrix():
 def test_summarize_ranks_exact_quantiles():
     ranks = pd.DataFrame({"layer": [0] * 5 + [1] * 2, "token_rank": [1, 2, 3, 4, 100, 1, 1],
                           "shuffled_rank": [10, 20, 30, 40, 50, 7, 9]})
-    out = E.summarize_ranks(ranks)
+    out = E.summarize_ranks(ranks, n_boot=20)
     assert out.loc[0, ["triggers", "median", "q1", "q3", "top1", "median_shuffled"]].tolist() == [5, 3, 2, 4, 0.2, 30]
     assert out.loc[1, ["median", "top1", "median_shuffled"]].tolist() == [1, 1.0, 8]
 
@@ -177,13 +184,19 @@ def test_next_token_rank_agrees_with_the_atlas_argmax(atlas, gpt2_model):
     """Rank 1 means the next token is the value's argmax: recomputed from the model in blocks, it reproduces the
     agreement read from the atlas's values table."""
     ranks = E.next_token_ranks(atlas, gpt2_model, triggers=1, kind="top_doc")
-    summary = E.summarize_ranks(ranks)
-    agree = E.agreement(atlas, top_triggers=(1,), kind="top_doc")
+    summary = E.summarize_ranks(ranks, n_boot=20)
+    agree = E.agreement(atlas, top_triggers=(1,), kind="top_doc", n_boot=20)
+    assert summary.convention.tolist() == agree.convention.tolist()  # raw and final_norm, per layer
     assert summary.top1.tolist() == pytest.approx(agree.agree_top1.tolist())
     assert ranks.token_rank.between(1, gpt2_model.vocab_size).all()
-    assert set(ranks.trigger) == {0}
-    frame = E.next_token_rank(atlas, gpt2_model, kind="top_doc")
+    assert set(ranks.trigger) == {0} and set(ranks.side) == {"positive"}
+    # the self-token diagnostic: rank 1 exactly where the value's top token is the trigger's own token
+    self_top = ranks.groupby(["convention", "layer"], sort=False).self_rank.apply(lambda r: (r == 1).mean())
+    assert self_top.tolist() == pytest.approx(agree.self_top1.tolist())
+    frame = E.next_token_rank(atlas, gpt2_model, kind="top_doc", n_boot=20)
     assert list(frame.columns) == list(SUMMARY_COLUMNS)
+    pooled = E.next_token_ranks(atlas, gpt2_model, kind="top_doc", convention="raw")
+    assert pooled.trigger.max() >= 1 and len(pooled) > len(ranks) / 2  # every kept trigger, pooled
     assert frame.attrs["random_median"] == (gpt2_model.vocab_size + 1) / 2
     assert frame.attrs["fingerprint_match"] is True
 
@@ -195,7 +208,7 @@ def test_relative_change_and_summary_are_exact():
     samples = pd.DataFrame({"layer": [0, 0, 0, 1], "stored": [1.0, 2.0, 3.0, 1.0], "original": [1.0, 2.0, 3.5, 1.0],
                             "change_first": [0.0, -0.5, np.nan, 0.1], "change_last": [-1.0, -0.5, -0.75, 0.25],
                             "change_random": [np.nan, np.nan, np.nan, 0.3]})
-    out = E.summarize_token_removal(samples)
+    out = E.summarize_token_removal(samples, n_boot=20)
     assert out.loc[0, ["samples", "change_first", "change_last", "median_last", "max_abs_error"]].tolist() == \
         [3, -0.25, -0.75, -0.75, 0.5]
     assert np.isnan(out.loc[0, "change_random"])
@@ -203,7 +216,7 @@ def test_relative_change_and_summary_are_exact():
 
 
 def test_token_removal_recomputes_the_stored_activation(atlas, gpt2_model, corpus_file):
-    samples = E.token_removal_samples(atlas, gpt2_model, keys_per_layer=6, triggers=3, seed=1)
+    samples = E.token_removal_samples(atlas, gpt2_model, neurons_per_layer=6, triggers=3, seed=1)
     assert len(samples) == 2 * 6 * 3 and set(samples.layer) == {0, 1}
     scale = np.abs(samples.stored).max()
     np.testing.assert_allclose(samples.original, samples.stored, rtol=1e-5, atol=1e-5 * scale)
@@ -214,14 +227,14 @@ def test_token_removal_recomputes_the_stored_activation(atlas, gpt2_model, corpu
     assert samples.loc[samples.prefix_len == 1, ["first", "last", "random"]].isna().all().all()
     summary = E.summarize_token_removal(samples)
     assert (summary.max_abs_error <= 1e-5 * scale).all()
-    again = E.token_removal_samples(atlas, gpt2_model, keys_per_layer=6, triggers=3, seed=1)
+    again = E.token_removal_samples(atlas, gpt2_model, neurons_per_layer=6, triggers=3, seed=1)
     pd.testing.assert_frame_equal(samples, again)  # seeded
     assert samples.attrs["fingerprint_match"] is True and PROVENANCE_KEYS <= set(samples.attrs)
 
 
 def test_token_removal_changes_nothing_where_the_layer_sees_one_token(context_free, corpus_file, tmp_path):
     atlas = _scan(context_free, corpus_file, tmp_path / "atlas")
-    samples = E.token_removal_samples(atlas, context_free, keys_per_layer=20, triggers=3, layers=[0])
+    samples = E.token_removal_samples(atlas, context_free, neurons_per_layer=20, triggers=3, layers=[0])
     long = samples[samples.prefix_len >= 3]
     assert len(long) > 10
     np.testing.assert_allclose(long.change_first, 0.0, atol=1e-5)
@@ -234,8 +247,8 @@ def test_token_removal_needs_the_corpus_of_an_in_memory_scan(gpt2_model, tmp_pat
     docs = ["The cat sat on the mat and looked at the dog.", "Numbers: 1, 2, 3, 5, 8, 13, 21, 34."]
     atlas = _scan(gpt2_model, docs, tmp_path / "atlas", unit="document", max_tokens=None)
     with pytest.raises(KvmemError, match="pass the same corpus"):
-        E.token_removal(atlas, gpt2_model, keys_per_layer=2)
-    frame = E.token_removal(atlas, gpt2_model, docs, keys_per_layer=2, triggers=2)
+        E.token_removal(atlas, gpt2_model, neurons_per_layer=2)
+    frame = E.token_removal(atlas, gpt2_model, docs, neurons_per_layer=2, triggers=2)
     assert frame.samples.tolist() == [4, 4]
     with pytest.raises(KvmemError, match="not the scanned corpus"):
-        E.token_removal(atlas, gpt2_model, ["Other text entirely.", "And more.", "Third."], keys_per_layer=2)
+        E.token_removal(atlas, gpt2_model, ["Other text entirely.", "And more.", "Third."], neurons_per_layer=2)

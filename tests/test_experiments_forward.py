@@ -116,6 +116,9 @@ def test_one_active_memory_is_the_whole_layer(always_on, corpus_file):
     assert (shares >= 1.0 - 1e-12).all()  # each position is counted at least once (before and ffn may coincide)
     assert frame.attrs["settings"]["residual_before"] == "hook_resid_mid"
     assert frame.attrs["convention"] == "final_norm" and frame.attrs["settings"]["value_tops_from"] == "model"
+    # a GELU model is read with the positive side only, so the released comparison has one set of memories
+    assert (frame.released_matches_none == frame.released_matches_none_positive).all()
+    assert frame.attrs["settings"]["sides"] == ["positive"]
 
 
 def test_layer_vs_memories_on_a_gated_model_uses_signed_coefficients(llama_model, corpus_file):
@@ -125,6 +128,9 @@ def test_layer_vs_memories_on_a_gated_model_uses_signed_coefficients(llama_model
     assert frame.attrs["settings"]["active_rule"] == "|m_i| > 0.01 (gated FFN)"
     assert frame[["ffn_matches_active", "after_is_final"]].apply(lambda c: c.between(0, 1)).all().all()
     assert frame.after_is_final.iloc[-1] == 1.0
+    # signed: both sides' top tokens are memories, so "no memory's token" can only be rarer than with +v alone
+    assert (frame.released_matches_none <= frame.released_matches_none_positive).all()
+    assert frame.attrs["settings"]["sides"] == ["positive", "negative"]
     active = E.active_memories(llama_model, corpus_file, positions=20, unit="paragraph", window=32, max_tokens=300)
     assert active.abs_active_mean.between(0, 1).all() and active.attrs["gated"] is True
 
@@ -154,9 +160,9 @@ def test_plots_return_axes(atlas, gpt2_model):
     import matplotlib.pyplot as plt
 
     frames = {
-        "plot_agreement": E.agreement(atlas),
-        "plot_next_token_rank": E.next_token_rank(atlas, gpt2_model),
-        "plot_token_removal": E.token_removal(atlas, gpt2_model, keys_per_layer=2, triggers=1),
+        "plot_agreement": E.agreement(atlas, n_boot=20),
+        "plot_next_token_rank": E.next_token_rank(atlas, gpt2_model, n_boot=20),
+        "plot_token_removal": E.token_removal(atlas, gpt2_model, neurons_per_layer=2, triggers=1, n_boot=20),
         "plot_active_memories": E.active_memories(gpt2_model, atlas=atlas, positions=10),
         "plot_layer_vs_memories": E.layer_vs_memories(gpt2_model, atlas=atlas, positions=10),
     }
@@ -177,14 +183,14 @@ def test_cli_agreement_and_outputs(atlas, tmp_path, capsys):
     assert main(["experiment", "agreement", "--atlas", str(atlas.path), "--top-triggers", "1,2", "--kind", "top_doc",
                  "--out", str(out), "--plot", str(tmp_path / "agreement.png")]) == 0
     printed = capsys.readouterr().out
-    assert "agree_top1" in printed and "convention final_norm" in printed
+    assert "agree_top1" in printed and "convention raw, final_norm" in printed
     data = json.loads(out.read_text())
-    assert data["provenance"]["settings"]["top_triggers"] == [1, 2] and len(data["rows"]) == 2
+    assert data["provenance"]["settings"]["top_triggers"] == [1, 2] and len(data["rows"]) == 4  # 2 layers x 2 conventions
     assert (tmp_path / "agreement.png").stat().st_size > 0
 
 
 def test_cli_runs_every_experiment_with_the_atlas_model(atlas, tmp_path, capsys):
-    for name, extra in (("next-token-rank", []), ("token-removal", ["--keys-per-layer", "2", "--triggers", "1"]),
+    for name, extra in (("next-token-rank", []), ("token-removal", ["--neurons-per-layer", "2", "--triggers", "1"]),
                         ("active-memories", ["--positions", "15"]),
                         ("layer-vs-memories", ["--positions", "15", "--layers", "1"])):
         csv = tmp_path / f"{name}.csv"
@@ -192,7 +198,8 @@ def test_cli_runs_every_experiment_with_the_atlas_model(atlas, tmp_path, capsys)
         captured = capsys.readouterr()
         assert "model fingerprint matches the atlas" in captured.out
         assert "warning" not in captured.err
-        assert len(pd.read_csv(csv)) == (1 if name == "layer-vs-memories" else 2)
+        # next-token-rank reports raw and final_norm per layer
+        assert len(pd.read_csv(csv)) == {"layer-vs-memories": 1, "next-token-rank": 4}.get(name, 2)
 
 
 def test_cli_reports_a_fingerprint_mismatch_and_user_errors(atlas, always_on, capsys):
@@ -207,6 +214,37 @@ def test_cli_reports_a_fingerprint_mismatch_and_user_errors(atlas, always_on, ca
     assert "not in atlas" in capsys.readouterr().err
     assert main(["experiment", "agreement", "--atlas", str(atlas.path) + "-missing"]) == 2
     assert main(["experiment", "agreement", "--atlas", str(atlas.path), "--out", "x.txt"]) == 2
+    assert main(["experiment", "agreement", "--atlas", str(atlas.path), "--positions", "5"]) == 2
+    assert "--positions does not apply to agreement" in capsys.readouterr().err
+    assert main(["experiment", "geva2021", "--atlas", str(atlas.path)]) == 2
+    assert "--out DIR" in capsys.readouterr().err
+
+
+def test_the_cli_reads_its_experiments_from_the_registry(capsys):
+    from kvmem.cli import build_parser
+    from kvmem.experiments.registry import EXPERIMENTS
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["experiment"]
+    name = next(a for a in sub._actions if a.dest == "name")
+    assert list(name.choices) == list(EXPERIMENTS)
+    for experiment in EXPERIMENTS.values():  # every registered function and plot exists, and E exposes it
+        assert getattr(E, experiment.function) is experiment.load()
+        assert experiment.plot is None or getattr(E, experiment.plot) is experiment.load_plot()
+    assert "EXPERIMENTS" in E.__all__ and "bootstrap_ci" in E.__all__
+
+
+def test_reproduction_writes_results_that_load_back(atlas, gpt2_model, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["experiment", "geva2021", "--atlas", str(atlas.path), "--out", str(out), "--positions", "10",
+                 "--neurons-per-layer", "2", "--triggers", "1", "--n-boot", "20", "--bos", "default,none"]) == 0
+    results = E.load_results(out)
+    assert set(results) == set(E.RESULT_NAMES)
+    assert results["agreement"].attrs["experiment"] == "agreement"
+    assert results["lm_quality"].bos.tolist() == ["default", "none"]
+    assert set(results["layer_vs_memories"].convention) == {"raw", "final_norm"}
+    assert results["next_token_rank"].attrs["settings"]["kind"] == "top_doc"  # a per-document atlas: Geva's choice
+    assert main(["experiment", "geva2021", "--atlas", str(atlas.path), "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
 
 
 # ---- the notebook ----
@@ -225,6 +263,41 @@ def test_geva2021_notebook_is_generated_and_cleared():
     assert not any(c.get("outputs") or c.get("execution_count") for c in committed.cells if c.cell_type == "code")
     source = "\n".join(c.source for c in committed.cells)
     for name in ("token_removal", "agreement", "next_token_rank", "active_memories", "layer_vs_memories",
+                 "reproduce_geva2021", "load_results", "KVMEM_GEVA2021_RESULTS",
                  "KVMEM_NOTEBOOK_TOKENS", "KVMEM_NOTEBOOK_FAST", 'MODEL = "smollm2-135m"',
                  "hf:wikitext:wikitext-103-raw-v1:train"):
         assert name in source
+
+
+# ---- the model as an LM ----
+def test_lm_quality_is_the_models_own_loss(gpt2_model):
+    docs = ["The cat sat on the mat and looked at the dog.", "Numbers: 1, 2, 3, 5, 8, 13, 21, 34."]
+    frame = E.lm_quality(gpt2_model, docs, bos=("default", "none", "<|endoftext|>"), n_boot=20)
+    assert frame.bos_token_id.tolist() == [50256, -1, 50256] and frame.bos.tolist() == ["default", "none", "<|endoftext|>"]
+    tokens = [gpt2_model.encode(d) for d in docs]
+    assert frame.predictions.tolist() == [sum(len(t) - 1 for t in tokens)] * 3  # the same targets for every BOS
+    losses = []
+    with torch.no_grad():
+        for t in tokens:
+            ids = torch.tensor([[50256] + t])
+            logits = gpt2_model.hf_model(ids).logits[0, 1:-1]
+            losses.append(torch.nn.functional.cross_entropy(logits, ids[0, 2:], reduction="sum"))
+    nll = float(sum(losses)) / frame.predictions.iloc[0]
+    assert frame.nll.iloc[0] == pytest.approx(nll, rel=1e-5)
+    assert frame.perplexity.iloc[0] == pytest.approx(float(torch.tensor(nll).exp()), rel=1e-5)
+    assert frame.nll.iloc[0] == pytest.approx(frame.nll.iloc[2])
+    assert frame.accuracy.between(0, 1).all()
+    with pytest.raises(KvmemError, match="not a single token"):
+        E.lm_quality(gpt2_model, docs, bos="<|im_start|>")
+
+
+@pytest.mark.slow
+def test_smollm2_windows_start_with_endoftext_the_better_lm():
+    """SmolLM2's default window start is <|endoftext|> (kvmem.builtin.SCAN_BOS), chosen because it predicts plain
+    text better than the tokenizer's chat BOS <|im_start|>."""
+    model = kvmem.load_model("smollm2-135m", device="cpu")
+    assert model.bos_token_id == 0 and model.tokenizer.bos_token_id == 1
+    frame = E.lm_quality(model, "stdlib-docs", unit="sentence", max_tokens=600, bos=("default", "<|im_start|>"),
+                         n_boot=20)
+    assert frame.bos_token.tolist() == ["<|endoftext|>", "<|im_start|>"]
+    assert frame.perplexity.iloc[0] < frame.perplexity.iloc[1]

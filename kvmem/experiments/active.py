@@ -18,6 +18,7 @@ import pandas as pd
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import as_atlas, atlas_corpus, check_fingerprint, check_positive, check_seed, provenance
 from kvmem.experiments.forward import Sampled, read_positions, sample_positions
+from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -39,11 +40,15 @@ DEFAULT_ABS_THRESHOLD = 0.1
 ACTIVE_COLUMNS = {
     "layer": "FFN layer",
     "positions": "corpus positions read",
-    "active_mean": "mean over positions of the fraction of slots with m_i > threshold",
+    "active_mean": "mean over positions of the fraction of slots with m_i > threshold (the positive side)",
+    "active_mean_ci_low": "bootstrap 95% interval over positions (low end)",
+    "active_mean_ci_high": "its high end",
     "active_q1": "its first quartile over positions",
     "active_median": "its median",
     "active_q3": "its third quartile",
-    "abs_active_mean": "mean fraction of slots with |m_i| > abs_threshold (signed gated coefficients)",
+    "abs_active_mean": "mean fraction of slots with |m_i| > abs_threshold (signed gated coefficients: both sides)",
+    "abs_active_mean_ci_low": "bootstrap 95% interval over positions (low end)",
+    "abs_active_mean_ci_high": "its high end",
     "mass90_mean": "mean fraction of slots needed to carry 90% of sum_i |m_i| * ||v_i||",
 }
 
@@ -97,7 +102,8 @@ def sample_for(model: Model, corpus: Any, atlas: Atlas | None, *, positions: int
 def active_memories(model: Model, corpus: Any = None, *, positions: int = 500, threshold: float = 0.0,
                     abs_threshold: float = DEFAULT_ABS_THRESHOLD, seed: int = 0, layers: Sequence[int] | None = None,
                     atlas: Atlas | str | None = None, window: int | None = None, prepend_bos: bool | None = None,
-                    max_tokens: int | None = None, unit: str = "document", batch_tokens: int = 4096) -> pd.DataFrame:
+                    max_tokens: int | None = None, unit: str = "document", n_boot: int = 1000,
+                    batch_tokens: int = 4096) -> pd.DataFrame:
     """Per layer, the fraction of memory slots active at random corpus positions (Geva et al.: 10-50%).
 
     ``corpus``: anything :func:`kvmem.corpus.open_corpus` takes (with ``unit``), or None with ``atlas``
@@ -126,14 +132,20 @@ def active_memories(model: Model, corpus: Any = None, *, positions: int = 500, t
     rows = []
     for layer in chosen:
         active = np.concatenate([p["active"] for p in parts[layer]])
+        abs_active = np.concatenate([p["abs_active"] for p in parts[layer]])
+        low, high = bootstrap_ci(active, n_boot=n_boot, seed=seed)
+        abs_low, abs_high = bootstrap_ci(abs_active, n_boot=n_boot, seed=seed)
         rows.append({"layer": layer, "positions": len(active), "active_mean": float(active.mean()),
+                     "active_mean_ci_low": low, "active_mean_ci_high": high,
                      "active_q1": float(np.quantile(active, 0.25)), "active_median": float(np.median(active)),
-                     "active_q3": float(np.quantile(active, 0.75)),
-                     "abs_active_mean": float(np.concatenate([p["abs_active"] for p in parts[layer]]).mean()),
+                     "active_q3": float(np.quantile(active, 0.75)), "abs_active_mean": float(abs_active.mean()),
+                     "abs_active_mean_ci_low": abs_low, "abs_active_mean_ci_high": abs_high,
                      "mass90_mean": float(np.concatenate([p["mass90"] for p in parts[layer]]).mean())})
     frame = pd.DataFrame(rows, columns=list(ACTIVE_COLUMNS))
     frame.attrs = provenance("active_memories", model=model, atlas=atlas, corpus=corpus, settings={
-        **settings, "threshold": threshold, "abs_threshold": abs_threshold, "layers": chosen,
+        **settings, "threshold": threshold, "abs_threshold": abs_threshold, "layers": chosen, "n_boot": n_boot,
+        "sides": "m_i > threshold: the positive side; |m_i| > abs_threshold: both sides" if model.gated
+        else "m_i > threshold (the paper's positive side)",
         "active": "m_i > threshold at hook_post", "abs_active": "|m_i| > abs_threshold"})
     if match is not None:
         frame.attrs["fingerprint_match"] = match

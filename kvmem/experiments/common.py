@@ -8,22 +8,23 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from kvmem.conventions import CONVENTIONS, convention_vectors, get_convention
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
-    from torch import Tensor
 
     from kvmem.atlas import Atlas
     from kvmem.corpus import Corpus
     from kvmem.models import Model
 
 __all__ = [
-    "CONVENTIONS",
+    "SIDES",
     "FingerprintWarning",
     "as_atlas",
     "atlas_corpus",
@@ -32,19 +33,16 @@ __all__ = [
     "check_fingerprint",
     "check_positive",
     "check_seed",
-    "convention_vectors",
+    "conventions_for",
+    "memory_sides",
     "model_for_atlas",
     "provenance",
     "read_columns",
     "single_cycle",
+    "trigger_kind",
     "value_top_tokens",
 ]
 
-# projection convention -> what a value v [d_model] is multiplied by W_U with (kvmem.schema.CONVENTIONS)
-CONVENTIONS = {
-    "raw": "score = W_U^T v (no norm; LM-Debugger's reading)",
-    "final_norm": "score = W_U^T (final norm's linear part of v): centring (LayerNorm) and gain, no 1/sigma, no bias",
-}
 
 
 class FingerprintWarning(UserWarning):
@@ -73,10 +71,48 @@ def check_seed(seed: Any) -> None:
 
 def check_convention(convention: str, atlas: Atlas | None = None) -> None:
     if convention not in CONVENTIONS:
-        raise KvmemError(f"unknown projection convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+        get_convention(convention)  # the registry's one-line error naming the allowed conventions
     if atlas is not None and convention not in atlas.conventions:
         raise KvmemError(f"convention {convention!r} is not in atlas {atlas.path}; it has "
                          f"{', '.join(atlas.conventions)}: pick one of those or rescan with --conventions {convention}")
+
+
+def conventions_for(convention: str | Sequence[str] | None, atlas: Atlas | None = None) -> list[str]:
+    """The projection conventions to report: one name, several, or None for every known one (``raw`` first,
+    Geva et al.'s reading). Each is checked (:func:`check_convention`); the one place that resolves them."""
+    names = list(CONVENTIONS) if convention is None else [convention] if isinstance(convention, str) else list(convention)
+    if not names:
+        raise KvmemError(f"no projection convention given; choose from {', '.join(CONVENTIONS)}")
+    for name in names:
+        check_convention(name, atlas)
+    return list(dict.fromkeys(names))
+
+
+# side -> (trigger kind prefix, value kind, sign): a signed slot is two memories (Geva et al. 2022 read m_i v_i)
+SIDES = {
+    "positive": ("top", "promote", 1),  # the top triggers (largest m_i) with +v: the value's promoted tokens
+    "negative": ("bottom", "suppress", -1),  # the bottom triggers (most negative m_i) with -v: its suppressed tokens
+}
+
+
+def memory_sides(gated: bool, sides: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The memories a slot is read as: ``("positive",)`` for ReLU/GELU FFNs (the paper's reading), both sides
+    for signed (gated SwiGLU/GeGLU) ones. ``sides`` overrides the default (a name or several)."""
+    if sides is None:
+        return ("positive", "negative") if gated else ("positive",)
+    chosen = (sides,) if isinstance(sides, str) else tuple(dict.fromkeys(sides))
+    unknown = [s for s in chosen if s not in SIDES]
+    if unknown or not chosen:
+        raise KvmemError(f"unknown memory side(s) {unknown or '(none)'}; choose from {', '.join(SIDES)}")
+    return chosen
+
+
+def trigger_kind(side: str, kind: str) -> str:
+    """The atlas trigger kind of a memory side: ``kind`` is ``top`` (top-k positions) or ``top_doc`` (one per
+    document); the negative side reads the matching ``bottom`` / ``bottom_doc`` triggers."""
+    if kind not in ("top", "top_doc"):
+        raise KvmemError(f"kind must be 'top' or 'top_doc' (the negative side reads bottom / bottom_doc), got {kind!r}")
+    return SIDES[side][0] + kind.removeprefix("top")
 
 
 def as_atlas(atlas: Atlas | str | os.PathLike) -> Atlas:
@@ -87,16 +123,18 @@ def as_atlas(atlas: Atlas | str | os.PathLike) -> Atlas:
 
 
 def read_columns(atlas: Atlas, table: str, columns: list[str], filters: list | None = None) -> pd.DataFrame:
-    """A few columns of an atlas table, rows filtered by pyarrow ``filters`` (never the whole table in memory)."""
-    import pyarrow.parquet as pq
+    """A few columns of an atlas table (through :meth:`Atlas.table`), rows kept where every filter holds.
 
-    path = atlas.path / f"{table}.parquet"
-    if not path.exists():
-        raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
-    try:
-        return pq.read_table(path, columns=columns, filters=filters).to_pandas()
-    except (OSError, ValueError) as error:
-        raise KvmemError(f"cannot read {columns} from {path} ({str(error).splitlines()[0]}); scan again") from None
+    ``filters``: (column, op, value) triples, op one of ``=``, ``<``, ``<=``, ``>``, ``>=``, ``in``.
+    """
+    ops = {"=": np.equal, "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal}
+    filters = list(filters or [])
+    frame = atlas.table(table, sorted(set(columns) | {f[0] for f in filters}))
+    keep = np.ones(len(frame), bool)
+    for column, op, value in filters:
+        data = frame[column].to_numpy()
+        keep &= np.isin(data, list(value)) if op == "in" else ops[op](data, value)
+    return frame.loc[keep, list(columns)].reset_index(drop=True)
 
 
 def atlas_layers(atlas: Atlas, layers: Any = None) -> list[int]:
@@ -182,18 +220,10 @@ def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | No
         out["corpus"] = corpus.spec if hasattr(corpus, "spec") else str(corpus)
         out["corpus_unit"] = getattr(corpus, "unit", None)
     if convention is not None:
-        out.update(convention=convention, convention_formula=CONVENTIONS[convention])
+        out.update(convention=convention, convention_formula=CONVENTIONS[convention].formula)
     out["settings"] = dict(settings or {})
     out["kvmem_version"] = __version__
     return out
-
-
-def convention_vectors(model: Model, vectors: Tensor, convention: str) -> Tensor:
-    """vectors [n, d_model] as the convention feeds them to W_U [d_model, vocab] -> [n, d_model] float32."""
-    vectors = vectors.float()
-    if convention == "final_norm":
-        vectors = model.final_norm().linear_part(vectors).float()
-    return vectors
 
 
 # model -> {(layer, convention): (argmax [d_ff], argmin [d_ff])}: the vocabulary pass is the slow part

@@ -1,6 +1,13 @@
 """The layer's prediction against its memories' (Geva et al. 2021, sec. 5): composition, and the residual.
 
-At positions drawn uniformly (seeded) from a corpus, for each layer:
+At positions drawn uniformly (seeded) from a corpus, for each layer, first as the released code
+computes it (``released_*``): the layer's prediction is the top token of residual + FFN output
+(``blocks.L.hook_resid_post``) projected under ``convention`` (``raw``, the output embedding, is
+Geva et al.'s), compared with the top tokens of *all* the layer's memories (d_ff values; for signed
+FFNs both sides, +v's top and -v's top, with the positive side alone reported too). The "≥ 68%"
+of the paper is ``released_matches_none``.
+
+Then kvmem's variants (labelled ``variant`` in :data:`LAYER_COLUMNS`):
 
 - the FFN's prediction: the top token of its output (``blocks.L.mlp.hook_out``, b2 included)
   projected under ``convention`` (``final_norm``: the final norm's linear part, then W_U, no b_U);
@@ -23,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
 from kvmem.experiments.active import DEFAULT_ABS_THRESHOLD, sample_for
 from kvmem.experiments.common import (
@@ -30,11 +38,12 @@ from kvmem.experiments.common import (
     check_convention,
     check_fingerprint,
     check_positive,
-    convention_vectors,
+    memory_sides,
     provenance,
     value_top_tokens,
 )
 from kvmem.experiments.forward import read_positions
+from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -47,11 +56,18 @@ __all__ = ["LAYER_COLUMNS", "layer_vs_memories", "memory_agreement", "plot_layer
 LAYER_COLUMNS = {
     "layer": "FFN layer",
     "positions": "corpus positions read",
-    "active": "mean number of active memories",
-    "ffn_matches_active": "fraction of positions where some active memory's top token is the FFN output's top token",
-    "ffn_matches_none": "1 - ffn_matches_active: the FFN's prediction is no single active memory's (Geva: >= 68%)",
-    "ffn_matches_top{k}": "some of the k heaviest memories (|m_i|·‖v_i‖) predicts the FFN's token",
-    "ffn_matches_heaviest": "the single heaviest memory predicts the FFN's token",
+    "released_matches_none": "as released: the top token of residual + FFN output is no memory's top token, over "
+                             "all d_ff memories (both sides when signed); Geva et al.: >= 68%",
+    "released_matches_none_ci_low": "bootstrap 95% interval over positions (low end)",
+    "released_matches_none_ci_high": "its high end",
+    "released_matches_none_positive": "the same against the positive side (+v) alone",
+    "active": "variant: mean number of active memories",
+    "ffn_matches_active": "variant: some active memory's top token (of m_i·v_i) is the FFN output's top token",
+    "ffn_matches_none": "variant: 1 - ffn_matches_active (the FFN output alone, active memories only)",
+    "ffn_matches_none_ci_low": "bootstrap 95% interval over positions (low end)",
+    "ffn_matches_none_ci_high": "its high end",
+    "ffn_matches_top{k}": "variant: some of the k heaviest memories (|m_i|·‖v_i‖) predicts the FFN's token",
+    "ffn_matches_heaviest": "variant: the single heaviest memory predicts the FFN's token",
     "before_is_final": "logit-lens top token before the FFN equals the model's final prediction",
     "after_is_final": "the same after the FFN",
     "after_is_before": "the residual's top token after the FFN is the one before it",
@@ -84,7 +100,8 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
                       convention: str = "final_norm", top_memories: int = 10, threshold: float = 0.0,
                       abs_threshold: float = DEFAULT_ABS_THRESHOLD, layers: Sequence[int] | None = None,
                       atlas: Atlas | str | None = None, window: int | None = None, prepend_bos: bool | None = None,
-                      max_tokens: int | None = None, unit: str = "document", batch_tokens: int = 2048) -> pd.DataFrame:
+                      max_tokens: int | None = None, unit: str = "document", sides: Sequence[str] | str | None = None,
+                      n_boot: int = 1000, batch_tokens: int = 2048) -> pd.DataFrame:
     """Per layer, how often the FFN's prediction is some single memory's, and how the residual's
     logit-lens prediction relates to the FFN's and to the model's final one. Columns :data:`LAYER_COLUMNS`.
 
@@ -98,6 +115,7 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
 
     check_convention(convention)
     check_positive("top_memories", top_memories)
+    chosen_sides = memory_sides(model.gated, sides)
     atlas = as_atlas(atlas) if atlas is not None else None
     match = check_fingerprint(atlas, model) if atlas is not None else None
     chosen = list(range(model.n_layers)) if layers is None else sorted({int(x) for x in layers})
@@ -128,8 +146,10 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     tops = {layer: tuple(torch.from_numpy(np.asarray(t)) for t in value_top_tokens(model, layer, convention, atlas=atlas))
             for layer in chosen}
     norms = {layer: model.values(layer).float().norm(dim=1) for layer in chosen}  # [d_ff]
+    memory_tops = {layer: torch.unique(torch.cat([tops[layer][0 if side == "positive" else 1] for side in chosen_sides]))
+                   for layer in chosen}  # [memories] every memory's top token, as the released code compares
     keys = ("active", "matches_active", "matches_top", "matches_heaviest", "before_final", "after_final",
-            "after_before", "after_ffn")
+            "after_before", "after_ffn", "released", "released_positive")
     parts: dict[int, dict[str, list[np.ndarray]]] = {layer: {k: [] for k in keys} for layer in chosen}
 
     def on_batch(index: np.ndarray, captured: dict[str, Tensor]) -> None:
@@ -144,6 +164,9 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
                 active = m.abs() > abs_threshold if model.gated else m > threshold
                 got = memory_agreement(m, ffn_top, *tops[layer], active=active, weight=m.abs() * norms[layer][None],
                                        top_memories=top_memories)
+                released = (convention_vectors(model, post, convention) @ unembedding).argmax(dim=1)  # [n]
+                got.update(released=torch.isin(released, memory_tops[layer]).numpy(),
+                           released_positive=torch.isin(released, tops[layer][0]).numpy())
                 before, after = lens_top(mid), lens_top(post)
                 got.update(before_final=(before == final).numpy(), after_final=(after == final).numpy(),
                            after_before=(after == before).numpy(), after_ffn=(after == ffn_top).numpy())
@@ -156,9 +179,18 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     for layer in chosen:
         got = {k: np.concatenate(v) for k, v in parts[layer].items()}
         after_other = ~got["after_before"] & ~got["after_ffn"]
-        rows.append({"layer": layer, "positions": len(got["active"]), "active": float(got["active"].mean()),
+        released_none = 1.0 - got["released"].astype(np.float64)
+        ffn_none = 1.0 - got["matches_active"].astype(np.float64)
+        released_low, released_high = bootstrap_ci(released_none, n_boot=n_boot, seed=seed)
+        ffn_low, ffn_high = bootstrap_ci(ffn_none, n_boot=n_boot, seed=seed)
+        rows.append({"layer": layer, "positions": len(got["active"]),
+                     "released_matches_none": float(released_none.mean()), "released_matches_none_ci_low": released_low,
+                     "released_matches_none_ci_high": released_high,
+                     "released_matches_none_positive": 1.0 - float(got["released_positive"].mean()),
+                     "active": float(got["active"].mean()),
                      "ffn_matches_active": float(got["matches_active"].mean()),
-                     "ffn_matches_none": 1.0 - float(got["matches_active"].mean()),
+                     "ffn_matches_none": float(ffn_none.mean()), "ffn_matches_none_ci_low": ffn_low,
+                     "ffn_matches_none_ci_high": ffn_high,
                      f"ffn_matches_top{top_memories}": float(got["matches_top"].mean()),
                      "ffn_matches_heaviest": float(got["matches_heaviest"].mean()),
                      "before_is_final": float(got["before_final"].mean()),
@@ -169,7 +201,10 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     if not len(frame):
         raise KvmemError("no positions were read; pass a larger corpus or more positions")
     frame.attrs = provenance("layer_vs_memories", model=model, atlas=atlas, corpus=corpus, convention=convention,
-                             settings={**settings, "top_memories": top_memories, "threshold": threshold,
+                             settings={**settings, "sides": list(chosen_sides), "n_boot": n_boot,
+                                       "released": "top token of hook_resid_post under the convention vs every memory's "
+                                                   "top token (value argmax; -v's argmax on the negative side)",
+                                       "top_memories": top_memories, "threshold": threshold,
                                        "abs_threshold": abs_threshold, "layers": chosen,
                                        "active_rule": (f"|m_i| > {abs_threshold} (gated FFN)" if model.gated
                                                        else f"m_i > {threshold}"),
@@ -191,8 +226,13 @@ def plot_layer_vs_memories(frame: pd.DataFrame, *, ax=None):
         raise KvmemError("plot_layer_vs_memories expects the frame of kvmem.experiments.layer_vs_memories")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(frame.layer, 100 * frame.ffn_matches_none, marker="o", ms=3, color="black",
-            label="FFN's token is no active memory's")
+    if "released_matches_none" in frame:
+        ax.fill_between(frame.layer, 100 * frame.released_matches_none_ci_low, 100 * frame.released_matches_none_ci_high,
+                        color="black", alpha=0.15)
+        ax.plot(frame.layer, 100 * frame.released_matches_none, marker="o", ms=3, color="black",
+                label="layer's token (residual + FFN) is no memory's (as released)")
+    ax.plot(frame.layer, 100 * frame.ffn_matches_none, marker=".", ms=3, color="tab:purple", lw=0.8,
+            label="variant: FFN's token is no active memory's")
     ax.plot(frame.layer, 100 * frame.after_is_before, label="residual keeps its token")
     ax.plot(frame.layer, 100 * frame.after_is_ffn, label="residual takes the FFN's token")
     ax.plot(frame.layer, 100 * frame.after_is_neither, label="neither (composition)")

@@ -1,11 +1,17 @@
-"""Rank of a trigger's next token in its value's vocabulary distribution (Geva et al. 2021, fig. 5).
+"""Rank of a trigger's next token in its memory's vocabulary distribution (Geva et al. 2021, fig. 5).
 
-For each key's top trigger(s), the next token's score under the value (``convention``) is compared
-with every vocabulary score of the same value: rank = 1 + number of tokens scored strictly higher
-(1 = the value's top token). Scores are computed block by block, ``block`` slots × vocab at a time;
-the slots × vocab matrix never exists. Baseline: the same triggers ranked under another slot's
-value (a seeded random derangement within the layer); a uniform random token's median rank is
-about |V| / 2.
+For each neuron and each of its kept triggers (pooled, as the released code does: one rank per
+trigger example), the next token's score under the memory (+v for the top triggers; -v for the
+bottom triggers of a signed slot, see :func:`~kvmem.experiments.common.memory_sides`) is compared
+with every vocabulary score: rank = 1 + number of tokens scored strictly higher (1 = the memory's
+top token). The pooled rank and the top-1 trigger's rank are both summarised, under every
+convention asked for (``raw`` is Geva et al.'s). Each value's scores are sorted once, block by
+block (``block`` slots × vocab at a time); the slots × vocab matrix never exists.
+
+Baseline: the same triggers ranked under another neuron's value of the layer (a seeded random
+derangement), compared per neuron with a paired Wilcoxon signed-rank test and a sign test. A
+uniform random token's median rank is about |V| / 2 (a reference). Alignment diagnostic
+(``self_rank``): the rank of the trigger's own token, the token at the firing position.
 """
 
 from __future__ import annotations
@@ -17,19 +23,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import (
+    SIDES,
     as_atlas,
     atlas_layers,
-    check_convention,
     check_fingerprint,
     check_positive,
     check_seed,
-    convention_vectors,
+    conventions_for,
+    memory_sides,
     provenance,
     read_columns,
     single_cycle,
+    trigger_kind,
 )
+from kvmem.experiments.stats import bootstrap_ci, sign_test, wilcoxon_signed_rank
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -48,153 +58,232 @@ __all__ = [
 ]
 
 RANK_COLUMNS = {
+    "convention": "value projection convention",
+    "side": "positive (top triggers, +v) or negative (bottom triggers, -v)",
     "layer": "FFN layer",
     "neuron": "memory slot",
-    "trigger": "trigger rank (0 = the key's strongest trigger with a next token)",
+    "trigger": "trigger order among the neuron's triggers with a next token (0 = the strongest)",
     "next_token_id": "the token after the trigger",
-    "token_rank": "1 + number of vocabulary tokens the value scores strictly higher than next_token_id (1 = top)",
-    "shuffled_rank": "the same rank under another slot's value of the same layer (seeded derangement)",
+    "token_id": "the trigger's own token",
+    "token_rank": "1 + number of vocabulary tokens the memory scores strictly higher than next_token_id (1 = top)",
+    "shuffled_rank": "the same rank under another neuron's value of the same layer (seeded derangement; -1: none)",
+    "self_rank": "alignment diagnostic: the rank of the trigger's own token",
 }
 
 SUMMARY_COLUMNS = {
+    "convention": "value projection convention",
+    "side": "memory side",
     "layer": "FFN layer",
-    "triggers": "ranked (key, trigger) pairs",
-    "median": "median token_rank",
-    "q1": "first quartile of token_rank",
-    "q3": "third quartile of token_rank",
-    "top1": "fraction with token_rank == 1 (the value's top token is the next token)",
-    "median_shuffled": "median shuffled_rank (baseline)",
+    "neurons": "neurons ranked",
+    "triggers": "ranked (neuron, trigger) pairs, pooled",
+    "median": "median token_rank over all kept triggers of all neurons (pooled, as the released code)",
+    "median_ci_low": "bootstrap 95% interval of the pooled median, resampling neurons (low end)",
+    "median_ci_high": "its high end",
+    "q1": "first quartile of the pooled token_rank",
+    "q3": "third quartile",
+    "median_top1": "median token_rank of each neuron's top-1 trigger",
+    "median_top1_ci_low": "bootstrap 95% interval over neurons (low end)",
+    "median_top1_ci_high": "its high end",
+    "top1": "fraction of pooled pairs with token_rank == 1 (the memory's top token is the next token)",
+    "median_shuffled": "pooled median of shuffled_rank (baseline)",
+    "wilcoxon_n": "neurons with a non-zero paired difference (per neuron: median shuffled_rank - median token_rank)",
+    "wilcoxon_w_plus": "Wilcoxon signed-rank statistic: sum of the ranks of the positive differences",
+    "wilcoxon_z": "its normal approximation (tie-corrected); > 0: the own value ranks the next token better",
+    "wilcoxon_p": "two-sided p-value",
+    "sign_p": "exact two-sided sign test p-value on the same differences",
+    "median_self": "alignment diagnostic: pooled median self_rank (the trigger's own token)",
 }
 
 
-def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.ndarray, *, block: int = 256) -> np.ndarray:
-    """Rank of ``tokens[p]`` among the scores ``vectors[slots[p]] @ basis`` for each pair p.
+def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.ndarray, *,
+               signs: np.ndarray | None = None, block: int = 256) -> np.ndarray:
+    """Rank of ``tokens[p]`` among the scores ``signs[p] * vectors[slots[p]] @ basis`` for each pair p.
 
-    vectors [rows, d_model], basis [d_model, vocab], slots and tokens [pairs] int. Returns
-    ranks [pairs] int64, 1 + #(scores strictly above the token's score). At most ``block`` rows ×
-    vocab scores (and pairs-in-block × vocab comparisons) exist at once.
+    vectors [rows, d_model], basis [d_model, vocab], slots, tokens and signs (+1 / -1, default +1)
+    [pairs]. Returns ranks [pairs] int64, 1 + #(scores strictly above the token's score). Each row's
+    scores are computed and sorted once, ``block`` rows × vocab at a time; a pair is then a binary search.
     """
     import torch
 
     slots = np.asarray(slots, np.int64)
     tokens = np.asarray(tokens, np.int64)
+    signs = np.ones(len(slots), np.int64) if signs is None else np.asarray(signs, np.int64)
     out = np.zeros(len(slots), np.int64)
     if len(slots) == 0:
         return out
     if tokens.min() < 0 or tokens.max() >= basis.shape[1]:
         raise KvmemError(f"token ids must lie in 0..{basis.shape[1] - 1}, got {tokens.min()}..{tokens.max()}")
+    if not np.isin(signs, (-1, 1)).all():
+        raise KvmemError("signs must be +1 or -1")
+    vocab = basis.shape[1]
     order = np.argsort(slots, kind="stable")
     sorted_slots = slots[order]
     basis = basis.float()
     with torch.inference_mode():
         for start in np.unique(sorted_slots // block) * block:
             lo, hi = np.searchsorted(sorted_slots, [start, start + block])
-            members = order[lo:hi]
             scores = vectors[start:start + block].float() @ basis  # [block, vocab]
-            rows = torch.from_numpy(slots[members] - start)
-            own = scores[rows, torch.from_numpy(tokens[members])]  # [members]
-            for chunk in range(0, len(members), block):  # [chunk, vocab] comparisons at a time
-                part = slice(chunk, chunk + block)
-                higher = (scores[rows[part]] > own[part, None]).sum(dim=1)
-                out[members[part]] = higher.cpu().numpy() + 1
+            ascending = torch.sort(scores, dim=1).values  # [block, vocab]
+            members = order[lo:hi]
+            for row in np.unique(slots[members]):
+                at = members[slots[members] == row]
+                own = scores[row - start, torch.from_numpy(tokens[at])]  # [m]
+                line = ascending[row - start]
+                above = vocab - torch.searchsorted(line, own, right=True).numpy()  # scores > own: for +v
+                below = torch.searchsorted(line, own, right=False).numpy()  # scores < own: higher under -v
+                out[at] = np.where(signs[at] > 0, above, below) + 1
     return out
 
 
-def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, convention: str = "final_norm",
-                     triggers: int = 1, kind: str = "top", layers: Sequence[int] | None = None, seed: int = 0,
-                     block: int = 256) -> pd.DataFrame:
-    """One row per (key, trigger): the next token's rank in the value's distribution (:data:`RANK_COLUMNS`).
+def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, convention: str | Sequence[str] | None = None,
+                     sides: str | Sequence[str] | None = None, triggers: int | None = None, kind: str = "top",
+                     layers: Sequence[int] | None = None, seed: int = 0, block: int = 256) -> pd.DataFrame:
+    """One row per (convention, side, neuron, trigger): the next token's rank (:data:`RANK_COLUMNS`).
 
-    ``triggers``: how many of each key's top triggers (those with a next token) to rank.
+    ``triggers``: how many of each neuron's triggers with a next token to rank (None: every kept one,
+    pooled as in the released code). ``convention``: one or several (None: raw and final_norm).
+    ``sides``: None reads gated FFNs as two memories per slot, ReLU/GELU as one.
     """
     atlas = as_atlas(atlas)
-    check_convention(convention)
-    check_positive("triggers", triggers)
+    conventions = conventions_for(convention)
+    check_positive("triggers", triggers, allow_none=True)
     check_seed(seed)
     check_positive("block", block)
-    if kind not in ("top", "top_doc"):
-        raise KvmemError(f"kind must be 'top' or 'top_doc', got {kind!r}")
+    chosen_sides = memory_sides(model.gated, sides)
     chosen = atlas_layers(atlas, layers)
     match = check_fingerprint(atlas, model)
-    frame = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "next_token_id"], [("kind", "=", kind)])
-    frame = frame[(frame.next_token_id.to_numpy() >= 0) & frame.layer.isin(chosen).to_numpy()]
-    frame = frame.sort_values(["layer", "neuron", "rank"], kind="stable")
-    frame = frame.assign(trigger=frame.groupby(["layer", "neuron"]).cumcount().to_numpy())
-    frame = frame[frame.trigger.to_numpy() < triggers]
     unembedding = model.unembedding()  # [d_model, vocab]
     parts = []
-    for layer in chosen:
-        here = frame[frame.layer.to_numpy() == layer]
-        neuron = here.neuron.to_numpy().astype(np.int64)
-        tokens = here.next_token_id.to_numpy().astype(np.int64)
-        keys = np.unique(neuron)
-        sigma = single_cycle(len(keys), np.random.default_rng([seed, layer]))  # as agreement's shuffle
-        partner = dict(zip(keys.tolist(), keys[sigma].tolist()))
-        other = np.array([partner[n] for n in neuron.tolist()], np.int64)
-        vectors = convention_vectors(model, model.values(layer), convention)  # [d_ff, d_model]
-        ranks = pair_ranks(vectors, unembedding, np.concatenate([neuron, other]), np.concatenate([tokens, tokens]),
-                           block=block)
-        parts.append(pd.DataFrame({"layer": layer, "neuron": neuron, "trigger": here.trigger.to_numpy(),
-                                   "next_token_id": tokens, "token_rank": ranks[:len(neuron)],
-                                   "shuffled_rank": ranks[len(neuron):] if len(keys) > 1 else -1}))
+    for side in chosen_sides:
+        frame = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
+                             [("kind", "=", trigger_kind(side, kind)), ("next_token_id", ">=", 0), ("layer", "in", chosen)])
+        frame = frame.sort_values(["layer", "neuron", "rank"], kind="stable")
+        frame = frame.assign(trigger=frame.groupby(["layer", "neuron"]).cumcount().to_numpy())
+        if triggers is not None:
+            frame = frame[frame.trigger.to_numpy() < triggers]
+        sign = SIDES[side][2]
+        for layer in chosen:
+            here = frame[frame.layer.to_numpy() == layer]
+            neuron = here.neuron.to_numpy().astype(np.int64)
+            tokens = here.next_token_id.to_numpy().astype(np.int64)
+            own_tokens = here.token_id.to_numpy().astype(np.int64)
+            neurons = np.unique(neuron)
+            sigma = single_cycle(len(neurons), np.random.default_rng([seed, layer]))
+            partner = dict(zip(neurons.tolist(), neurons[sigma].tolist()))
+            other = np.array([partner[n] for n in neuron.tolist()], np.int64)
+            n = len(neuron)
+            for name in conventions:
+                vectors = convention_vectors(model, model.values(layer), name)  # [d_ff, d_model]
+                ranks = pair_ranks(vectors, unembedding, np.concatenate([neuron, other, neuron]),
+                                   np.concatenate([tokens, tokens, own_tokens]), signs=np.full(3 * n, sign), block=block)
+                parts.append(pd.DataFrame({
+                    "convention": name, "side": side, "layer": layer, "neuron": neuron,
+                    "trigger": here.trigger.to_numpy(), "next_token_id": tokens, "token_id": own_tokens,
+                    "token_rank": ranks[:n], "shuffled_rank": ranks[n:2 * n] if len(neurons) > 1 else -1,
+                    "self_rank": ranks[2 * n:]}))
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(RANK_COLUMNS))
-    out.attrs = provenance("next_token_rank", model=model, atlas=atlas, convention=convention, settings={
-        "triggers": triggers, "kind": kind, "layers": chosen, "seed": seed,
-        "rank": "1 + number of tokens scored strictly higher (1 = top)"})
+    if len(out):  # side, then convention, then layer: the order of agreement's rows
+        order = np.lexsort((out.layer.to_numpy(), out.convention.map(conventions.index).to_numpy(),
+                            out.side.map(list(chosen_sides).index).to_numpy()))
+        out = out.iloc[order].reset_index(drop=True)
+    out.attrs = provenance("next_token_rank", model=model, atlas=atlas, convention=conventions[0], settings={
+        "conventions": conventions, "sides": list(chosen_sides), "triggers": triggers, "kind": kind, "layers": chosen,
+        "seed": seed, "rank": "1 + number of tokens scored strictly higher (1 = top)",
+        "pooled": "every kept trigger with a next token" if triggers is None else f"the top {triggers} per neuron"})
     out.attrs["fingerprint_match"] = match
     out.attrs["random_median"] = (model.vocab_size + 1) / 2
     return out
 
 
-def summarize_ranks(ranks: pd.DataFrame) -> pd.DataFrame:
-    """Per-layer median and quartiles of :func:`next_token_ranks`'s rows (:data:`SUMMARY_COLUMNS`)."""
+def _groups(frame: pd.DataFrame) -> list[str]:
+    return [c for c in ("convention", "side", "layer") if c in frame]
+
+
+def summarize_ranks(ranks: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per (convention, side, layer): pooled and top-1 medians with bootstrap intervals, quartiles, and the
+    paired per-neuron test against the shuffled baseline (:data:`SUMMARY_COLUMNS`) of :func:`next_token_ranks`'s
+    rows. Rows without a ``trigger`` column count as top-1 triggers."""
     if not {"layer", "token_rank"} <= set(ranks.columns):
         raise KvmemError(f"summarize_ranks needs columns layer and token_rank, got {list(ranks.columns)}")
+    check_positive("n_boot", n_boot)
     rows = []
-    for layer, part in ranks.groupby("layer", sort=True):
+    keys = _groups(ranks)
+    for key, part in ranks.groupby(keys, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
         r = part.token_rank.to_numpy().astype(np.float64)
-        shuffled = part.shuffled_rank.to_numpy().astype(np.float64) if "shuffled_rank" in part else np.array([-1.0])
-        rows.append({"layer": int(layer), "triggers": len(r), "median": float(np.median(r)),
-                     "q1": float(np.quantile(r, 0.25)), "q3": float(np.quantile(r, 0.75)),
-                     "top1": float(np.mean(r == 1)),
-                     "median_shuffled": float(np.median(shuffled)) if shuffled.min() >= 1 else float("nan")})
-    out = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
-    out.attrs = dict(ranks.attrs)
+        neuron = part.neuron.to_numpy() if "neuron" in part else np.arange(len(part))
+        first = part.trigger.to_numpy() == 0 if "trigger" in part else np.ones(len(part), bool)
+        shuffled = part.shuffled_rank.to_numpy().astype(np.float64) if "shuffled_rank" in part else np.full(len(r), -1.0)
+        row = dict(zip(keys, key))
+        row["layer"] = int(row["layer"])
+        row.update(neurons=len(np.unique(neuron)), triggers=len(r), median=float(np.median(r)))
+        row["median_ci_low"], row["median_ci_high"] = bootstrap_ci(r, groups=neuron, statistic="median",
+                                                                   n_boot=n_boot, seed=seed)
+        row.update(q1=float(np.quantile(r, 0.25)), q3=float(np.quantile(r, 0.75)),
+                   median_top1=float(np.median(r[first])) if first.any() else float("nan"))
+        row["median_top1_ci_low"], row["median_top1_ci_high"] = bootstrap_ci(r[first], statistic="median",
+                                                                             n_boot=n_boot, seed=seed)
+        row["top1"] = float(np.mean(r == 1))
+        has_baseline = shuffled.min() >= 1
+        row["median_shuffled"] = float(np.median(shuffled)) if has_baseline else float("nan")
+        if has_baseline:
+            per = pd.DataFrame({"neuron": neuron, "own": r, "other": shuffled}).groupby("neuron").median()
+            test = wilcoxon_signed_rank(per.other.to_numpy(), per.own.to_numpy())
+            sign = sign_test(per.other.to_numpy(), per.own.to_numpy())
+        else:
+            test = {"n": 0, "w_plus": float("nan"), "z": float("nan"), "p_value": float("nan")}
+            sign = {"p_value": float("nan")}
+        row.update(wilcoxon_n=test["n"], wilcoxon_w_plus=test["w_plus"], wilcoxon_z=test["z"],
+                   wilcoxon_p=test["p_value"], sign_p=sign["p_value"])
+        row["median_self"] = float(np.median(part.self_rank)) if "self_rank" in part else float("nan")
+        rows.append(row)
+    out = pd.DataFrame(rows, columns=[c for c in SUMMARY_COLUMNS if c in keys or c not in ("convention", "side")])
+    out.attrs = {**ranks.attrs, "summary": {"n_boot": n_boot, "seed": seed,
+                                            "bootstrap": "pooled median: neurons resampled with all their triggers"}}
     return out
 
 
-def next_token_rank(atlas: Atlas | str | os.PathLike, model: Model, *, convention: str = "final_norm",
-                    triggers: int = 1, kind: str = "top", layers: Sequence[int] | None = None, seed: int = 0,
+def next_token_rank(atlas: Atlas | str | os.PathLike, model: Model, *, convention: str | Sequence[str] | None = None,
+                    sides: str | Sequence[str] | None = None, triggers: int | None = None, kind: str = "top",
+                    layers: Sequence[int] | None = None, seed: int = 0, n_boot: int = 1000,
                     block: int = 256) -> pd.DataFrame:
-    """Per layer, median and quartiles of the rank of each key's top-trigger next token in its value's
-    vocabulary distribution (Geva et al.: 10k-15k in low layers, under 2k in top layers for WikiLM).
+    """Per convention, side and layer: the median rank of the triggers' next tokens in the memory's vocabulary
+    distribution, pooled over all kept triggers and for the top-1 trigger, with bootstrap intervals and a
+    paired test against shuffled values (Geva et al.: 10k-15k in low layers, under 2k at the top for WikiLM).
 
     Needs the model (full vocabulary scores, computed in blocks). Columns :data:`SUMMARY_COLUMNS`;
-    provenance in ``frame.attrs`` (``random_median`` = (|V| + 1) / 2). Per-trigger rows:
+    provenance in ``frame.attrs`` (``random_median`` = (|V| + 1) / 2, a reference). Per-trigger rows:
     :func:`next_token_ranks`.
     """
-    return summarize_ranks(next_token_ranks(atlas, model, convention=convention, triggers=triggers, kind=kind,
-                                            layers=layers, seed=seed, block=block))
+    return summarize_ranks(next_token_ranks(atlas, model, convention=convention, sides=sides, triggers=triggers,
+                                            kind=kind, layers=layers, seed=seed, block=block), n_boot=n_boot, seed=seed)
 
 
-def plot_next_token_rank(frame: pd.DataFrame, *, ax=None):
-    """Median rank (line) with the quartile band, the shuffled baseline (dashed) and |V|/2 (dotted); log scale."""
+def plot_next_token_rank(frame: pd.DataFrame, *, ax=None, convention: str | None = None):
+    """Pooled median rank per layer and side (line) with its bootstrap band, the top-1 trigger's median (thin),
+    the shuffled baseline (dashed) and |V|/2 (dotted); log scale; one convention (default raw)."""
     import matplotlib.pyplot as plt
 
-    if not {"layer", "median", "q1", "q3"} <= set(frame.columns):
+    from kvmem.experiments.value_agreement import _panel
+
+    if not {"layer", "median", "median_ci_low", "median_ci_high"} <= set(frame.columns):
         raise KvmemError("plot_next_token_rank expects the frame of kvmem.experiments.next_token_rank")
+    frame, convention = _panel(frame, convention)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
-    ax.fill_between(frame.layer, frame.q1, frame.q3, alpha=0.25, label="quartiles")
-    ax.plot(frame.layer, frame["median"], marker="o", ms=3, label="median rank of the next token")
-    if "median_shuffled" in frame:
-        ax.plot(frame.layer, frame.median_shuffled, ls="--", color="tab:gray", label="median, shuffled values")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (side, part) in enumerate(frame.groupby(frame.side if "side" in frame else np.zeros(len(frame)), sort=False)):
+        color = colors[i % len(colors)]
+        ax.fill_between(part.layer, part.median_ci_low, part.median_ci_high, color=color, alpha=0.2)
+        ax.plot(part.layer, part["median"], color=color, marker="o", ms=3, label=f"{side}: median, all triggers")
+        ax.plot(part.layer, part.median_top1, color=color, lw=0.8, label=f"{side}: median, top-1 trigger")
+        ax.plot(part.layer, part.median_shuffled, color=color, ls="--", lw=1, label=f"{side}: shuffled values")
     random_median = frame.attrs.get("random_median")
     if random_median:
-        ax.axhline(random_median, ls=":", color="tab:gray", lw=1, label="random token (|V|/2)")
+        ax.axhline(random_median, ls=":", color="tab:gray", lw=1, label="random token (|V|/2, reference)")
     ax.set_yscale("log")
     ax.set_xlabel("layer")
-    ax.set_ylabel("rank in the value's distribution (1 = top)")
-    ax.set_title(f"next-token rank ({frame.attrs.get('model', '?')}, {frame.attrs.get('convention', '?')})")
+    ax.set_ylabel("rank in the memory's distribution (1 = top)")
+    ax.set_title(f"next-token rank ({frame.attrs.get('model', '?')}, {convention})")
     ax.legend(fontsize="small")
     return ax

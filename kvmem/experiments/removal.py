@@ -1,6 +1,6 @@
 """Token removal (Geva et al. 2021, sec. 3.2): which part of a trigger prefix makes a key fire?
 
-For a seeded sample of keys per layer and their top triggers, the prefix is the window tokens up to
+For a seeded sample of neurons per layer and their top triggers, the prefix is the window tokens up to
 and including the trigger position (what the model read, by the tokenization rule of
 :mod:`kvmem.corpus`). The key's coefficient is recomputed on the prefix as is, and with one token
 removed: the first, the last (the trigger itself; the coefficient is then read at the new last
@@ -10,6 +10,11 @@ A prefix of one token has no variant (NaN); one of two tokens has no random vari
 The unmodified recomputation reproduces the atlas's stored activation (``original`` vs ``stored``);
 the summary reports the largest difference. Removing the last token needs no extra forward: in a
 causal model the prefix without its last token is read at the previous position of the original.
+
+Signed (gated) FFNs are read as two memories per slot (:func:`~kvmem.experiments.common.memory_sides`):
+the negative side samples bottom triggers, and its changes are signed so that a negative change
+always means a weaker memory: change = sign · (modified - original) / |original|. Every per-layer
+mean has a bootstrap interval over the sampled prefixes.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from kvmem.experiments.common import (
     check_fingerprint,
     check_positive,
     check_seed,
+    memory_sides,
     provenance,
     read_columns,
+    trigger_kind,
 )
 from kvmem.experiments.forward import read_positions
+from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:
     from kvmem.atlas import Atlas
@@ -52,6 +60,7 @@ __all__ = [
 REMOVALS = ("first", "last", "random")
 
 SAMPLE_COLUMNS = {
+    "side": "positive (top triggers) or negative (bottom triggers, signed FFNs)",
     "layer": "FFN layer", "neuron": "memory slot", "trigger": "trigger rank (0 = strongest)",
     "doc": "document index", "doc_id": "document id", "pos": "trigger position in the document",
     "prefix_len": "tokens in the prefix (window start .. trigger, BOS not counted)",
@@ -59,16 +68,21 @@ SAMPLE_COLUMNS = {
     "stored": "the atlas's activation", "original": "coefficient recomputed on the unmodified prefix",
     "first": "coefficient with the first prefix token removed", "last": "with the last (trigger) token removed",
     "random": "with a random interior token removed",
-    "change_first": "(first - original) / |original|", "change_last": "(last - original) / |original|",
-    "change_random": "(random - original) / |original|",
+    "change_first": "sign * (first - original) / |original| (sign -1 on the negative side: < 0 is weaker)",
+    "change_last": "sign * (last - original) / |original|", "change_random": "sign * (random - original) / |original|",
 }
 
 REMOVAL_COLUMNS = {
+    "side": "memory side",
     "layer": "FFN layer",
-    "samples": "(key, trigger) pairs",
+    "samples": "(neuron, trigger) pairs",
     "change_first": "mean relative change of the coefficient with the first token removed",
+    "change_first_ci_low": "bootstrap 95% interval over the samples (low end; likewise for last and random)",
+    "change_first_ci_high": "its high end",
     "change_last": "the same, last token removed",
+    "change_last_ci_low": "bootstrap 95% interval (low end)", "change_last_ci_high": "its high end",
     "change_random": "the same, a random interior token removed",
+    "change_random_ci_low": "bootstrap 95% interval (low end)", "change_random_ci_high": "its high end",
     "median_last": "median relative change, last token removed",
     "max_abs_error": "largest |original - stored|: the recomputation check (float tolerance)",
 }
@@ -102,16 +116,19 @@ def _document_tokens(model: Model, corpus, wanted: dict[int, str]) -> dict[int, 
 
 
 def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus: Any = None, *,
-                          keys_per_layer: int = 10, triggers: int = 3, kind: str = "top",
-                          layers: Sequence[int] | None = None, seed: int = 0, batch_tokens: int = 4096) -> pd.DataFrame:
-    """One row per (sampled key, trigger): coefficients before and after each removal (:data:`SAMPLE_COLUMNS`)."""
+                          neurons_per_layer: int = 10, triggers: int = 3, kind: str = "top",
+                          sides: str | Sequence[str] | None = None, layers: Sequence[int] | None = None, seed: int = 0,
+                          batch_tokens: int = 4096) -> pd.DataFrame:
+    """One row per (side, sampled neuron, trigger): coefficients before and after each removal
+    (:data:`SAMPLE_COLUMNS`). ``sides``: None reads gated FFNs as two memories per slot, ReLU/GELU as one."""
     atlas = as_atlas(atlas)
-    check_positive("keys_per_layer", keys_per_layer)
+    check_positive("neurons_per_layer", neurons_per_layer)
     check_positive("triggers", triggers)
     check_seed(seed)
     if kind not in ("top", "top_doc"):
         raise KvmemError(f"kind must be 'top' or 'top_doc', got {kind!r}")
     chosen = atlas_layers(atlas, layers)
+    chosen_sides = memory_sides(model.gated, sides)
     match = check_fingerprint(atlas, model)
     corpus = atlas_corpus(atlas, corpus)
     tokenization = atlas.manifest["tokenization"]
@@ -119,16 +136,20 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
     bos = tokenization.get("bos_token_id") if tokenization.get("prepend_bos") else None
     extra = 0 if bos is None else 1
 
-    frame = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "activation", "doc", "doc_id", "pos", "token_id"],
-                         [("kind", "=", kind), ("rank", "<", triggers)])
     picked = []
-    for layer in chosen:
-        rng = np.random.default_rng([seed, layer])  # a layer's sample does not depend on the other layers
-        here = frame[frame.layer.to_numpy() == layer]
-        neurons = np.unique(here.neuron.to_numpy())
-        keep = np.sort(rng.choice(neurons, size=min(keys_per_layer, len(neurons)), replace=False))
-        picked.append(here[here.neuron.isin(keep).to_numpy()])
-    samples = pd.concat(picked, ignore_index=True).sort_values(["layer", "neuron", "rank"], ignore_index=True)
+    for s, side in enumerate(chosen_sides):
+        frame = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "activation", "doc", "doc_id", "pos",
+                                                 "token_id"],
+                             [("kind", "=", trigger_kind(side, kind)), ("rank", "<", triggers), ("layer", "in", chosen)])
+        for layer in chosen:
+            # a layer's sample does not depend on the other layers (nor the positive side's on the negative one)
+            rng = np.random.default_rng([seed, layer] if s == 0 else [seed, layer, 2 + s])
+            here = frame[frame.layer.to_numpy() == layer]
+            neurons = np.unique(here.neuron.to_numpy())
+            keep = np.sort(rng.choice(neurons, size=min(neurons_per_layer, len(neurons)), replace=False))
+            picked.append(here[here.neuron.isin(keep).to_numpy()].assign(side=side, side_order=s))
+    samples = pd.concat(picked, ignore_index=True).sort_values(["side_order", "layer", "neuron", "rank"],
+                                                               ignore_index=True)
     tokens = _document_tokens(model, corpus, dict(zip(samples.doc.tolist(), samples.doc_id.tolist())))
 
     # per sample: up to three sequences; reads: (sample, which) -> flattened read index
@@ -136,9 +157,9 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
     values = {name: np.full(n, np.nan) for name in ("original", "first", "last", "random")}
     prefix_len = np.zeros(n, np.int64)
     random_index = np.full(n, -1, np.int64)
-    for layer in chosen:
-        rng = np.random.default_rng([seed, layer, 1])  # the random removals
-        rows = np.flatnonzero(samples.layer.to_numpy() == layer)
+    for s, layer in [(s, layer) for s in range(len(chosen_sides)) for layer in chosen]:
+        rng = np.random.default_rng([seed, layer, 1] if s == 0 else [seed, layer, 1, s])  # the random removals
+        rows = np.flatnonzero((samples.layer.to_numpy() == layer) & (samples.side_order.to_numpy() == s))
         sequences, reads, targets = [], [], []  # targets[r] = (sample row, column name) of read r
         for i in rows:
             doc, pos = int(samples.doc.iat[i]), int(samples.pos.iat[i])
@@ -177,54 +198,60 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
         read_positions(model, sequences, reads, [hook], on_batch, batch_tokens=batch_tokens)
 
     out = pd.DataFrame({
-        "layer": samples.layer.to_numpy(), "neuron": samples.neuron.to_numpy(), "trigger": samples["rank"].to_numpy(),
+        "side": samples.side.to_numpy(), "layer": samples.layer.to_numpy(), "neuron": samples.neuron.to_numpy(), "trigger": samples["rank"].to_numpy(),
         "doc": samples.doc.to_numpy(), "doc_id": samples.doc_id.to_numpy(), "pos": samples.pos.to_numpy(),
         "prefix_len": prefix_len, "random_index": random_index,
         "stored": samples.activation.to_numpy().astype(np.float64), **values})
+    sign = np.where(out.side.to_numpy() == "negative", -1.0, 1.0)
     for name in REMOVALS:
-        out[f"change_{name}"] = relative_change(out.original.to_numpy(), out[name].to_numpy())
+        out[f"change_{name}"] = sign * relative_change(out.original.to_numpy(), out[name].to_numpy())
     out.attrs = provenance("token_removal", model=model, atlas=atlas, settings={
-        "keys_per_layer": keys_per_layer, "triggers": triggers, "kind": kind, "layers": chosen, "seed": seed,
+        "neurons_per_layer": neurons_per_layer, "triggers": triggers, "kind": kind, "sides": list(chosen_sides),
+        "layers": chosen, "seed": seed,
         "prefix": "window tokens up to and including the trigger; BOS kept; random = uniform interior token"})
     out.attrs["fingerprint_match"] = match
     return out
 
 
-def summarize_token_removal(samples: pd.DataFrame) -> pd.DataFrame:
-    """Per-layer mean relative change per removal (:data:`REMOVAL_COLUMNS`) from :func:`token_removal_samples`."""
+def summarize_token_removal(samples: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per side and layer: mean relative change per removal with bootstrap intervals (:data:`REMOVAL_COLUMNS`)
+    from :func:`token_removal_samples`."""
     needed = {"layer", "stored", "original", *(f"change_{n}" for n in REMOVALS)}
     if not needed <= set(samples.columns):
         raise KvmemError(f"summarize_token_removal needs columns {sorted(needed)}, got {list(samples.columns)}")
+    samples = samples if "side" in samples else samples.assign(side="positive")
     rows = []
-    for layer, part in samples.groupby("layer", sort=True):
-        row = {"layer": int(layer), "samples": len(part)}
+    for (side, layer), part in samples.groupby(["side", "layer"], sort=False):
+        row = {"side": side, "layer": int(layer), "samples": len(part)}
         for name in REMOVALS:
             change = part[f"change_{name}"].to_numpy()
             row[f"change_{name}"] = float(np.nanmean(change)) if np.isfinite(change).any() else float("nan")
+            row[f"change_{name}_ci_low"], row[f"change_{name}_ci_high"] = bootstrap_ci(change, n_boot=n_boot, seed=seed)
         last = part.change_last.to_numpy()
         row["median_last"] = float(np.nanmedian(last)) if np.isfinite(last).any() else float("nan")
         row["max_abs_error"] = float(np.nanmax(np.abs(part.original.to_numpy() - part.stored.to_numpy())))
         rows.append(row)
     out = pd.DataFrame(rows, columns=list(REMOVAL_COLUMNS))
-    out.attrs = dict(samples.attrs)
+    out.attrs = {**samples.attrs, "summary": {"n_boot": n_boot, "seed": seed}}
     return out
 
 
-def token_removal(atlas: Atlas | str | os.PathLike, model: Model, corpus: Any = None, *, keys_per_layer: int = 10,
-                  triggers: int = 3, kind: str = "top", layers: Sequence[int] | None = None, seed: int = 0,
+def token_removal(atlas: Atlas | str | os.PathLike, model: Model, corpus: Any = None, *, neurons_per_layer: int = 10,
+                  triggers: int = 3, kind: str = "top", sides: str | Sequence[str] | None = None,
+                  layers: Sequence[int] | None = None, seed: int = 0, n_boot: int = 1000,
                   batch_tokens: int = 4096) -> pd.DataFrame:
     """Per layer, the mean relative change of a key's coefficient when the first, last or a random token
     of its trigger prefixes is removed (Geva et al.: last ≈ -65..-70% at layer 1, ≈ -20% at the top;
     first / random ≈ -10..-20%).
 
     ``corpus``: the scanned corpus (default: re-opened from the atlas manifest; in-memory corpora must
-    be passed again). ``keys_per_layer`` keys are drawn per layer (``seed``), each with its top
-    ``triggers`` triggers of ``kind``. Columns :data:`REMOVAL_COLUMNS`; per-sample rows:
+    be passed again). ``neurons_per_layer`` neurons are drawn per layer and side (``seed``), each with its
+    top ``triggers`` triggers of ``kind`` (bottom triggers on the negative side).``n_boot``: the bootstrap. Columns :data:`REMOVAL_COLUMNS`; per-sample rows:
     :func:`token_removal_samples`.
     """
     return summarize_token_removal(token_removal_samples(
-        atlas, model, corpus, keys_per_layer=keys_per_layer, triggers=triggers, kind=kind, layers=layers, seed=seed,
-        batch_tokens=batch_tokens))
+        atlas, model, corpus, neurons_per_layer=neurons_per_layer, triggers=triggers, kind=kind, sides=sides,
+        layers=layers, seed=seed, batch_tokens=batch_tokens), n_boot=n_boot, seed=seed)
 
 
 def plot_token_removal(frame: pd.DataFrame, *, ax=None):
@@ -235,8 +262,18 @@ def plot_token_removal(frame: pd.DataFrame, *, ax=None):
         raise KvmemError("plot_token_removal expects the frame of kvmem.experiments.token_removal")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
-    for name, marker in zip(REMOVALS, "os^"):
-        ax.plot(frame.layer, 100 * frame[f"change_{name}"], marker=marker, ms=4, label=f"{name} token removed")
+    sides = frame.side if "side" in frame else pd.Series("positive", index=frame.index)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (name, marker), color in zip(zip(REMOVALS, "os^"), colors):
+        for side, style in (("positive", "-"), ("negative", "--")):
+            part = frame[sides.to_numpy() == side]
+            if not len(part):
+                continue
+            if f"change_{name}_ci_low" in part:
+                ax.fill_between(part.layer, 100 * part[f"change_{name}_ci_low"], 100 * part[f"change_{name}_ci_high"],
+                                color=color, alpha=0.15)
+            ax.plot(part.layer, 100 * part[f"change_{name}"], color=color, ls=style, marker=marker, ms=4,
+                    label=f"{name} token removed ({side})")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xlabel("layer")
     ax.set_ylabel("mean change of the coefficient (%)")

@@ -1,10 +1,19 @@
-"""Agreement (Geva et al. 2021, sec. 4): does a value promote the token that follows its key's triggers?
+"""Agreement (Geva et al. 2021, sec. 4): does a memory's value promote the token that follows its triggers?
 
-For each key (memory slot) of a layer: its value's top token (argmax of the value's vocabulary
-scores under a projection convention) is compared with the next token of the key's top trigger
-(or any of its top-k triggers). Two baselines: uniform random tokens (1/|V| per distinct next
-token), and the same keys paired with the values of other slots of the same layer (a seeded
-random single-cycle permutation, so no key keeps its own value).
+For each neuron (memory slot) of a layer, its value's top token (argmax of the value's vocabulary
+scores under a projection convention) is compared with the next token of the neuron's top trigger,
+and with the next tokens of any of its top-k triggers. Signed (gated) FFNs are read as two memories
+per slot: the top triggers with +v (the value's top token) and the bottom triggers with -v (the
+value's bottom token, its most suppressed); ReLU/GELU models keep the paper's positive side
+(:func:`~kvmem.experiments.common.memory_sides`). Each side is reported apart, under every
+convention asked for (``raw`` is Geva et al.'s: the output embedding, no final norm).
+
+Null: the exact expectation of agreement when the layer's values are permuted uniformly among its
+neurons (:func:`~kvmem.experiments.stats.exact_permutation_null`), which keeps token frequencies;
+1/|V| per distinct next token is kept only as a labelled reference (``chance_*``). Uncertainty: a
+bootstrap interval over neurons. Alignment diagnostic (``self_*``): the same comparison with the
+trigger's own token, the token *at* the firing position, which is what the released code's
+``record_tokens[-2]`` reads if taken literally.
 
 Everything comes from the atlas (triggers and the values table's rank-0 tokens): no model needed.
 """
@@ -22,14 +31,17 @@ from kvmem.errors import KvmemError
 from kvmem.experiments.common import (
     as_atlas,
     atlas_layers,
-    check_convention,
     check_fingerprint,
+    check_positive,
     check_seed,
+    conventions_for,
+    memory_sides,
     provenance,
     read_columns,
-    single_cycle,
+    trigger_kind,
     value_top_tokens,
 )
+from kvmem.experiments.stats import bootstrap_ci, exact_permutation_null
 
 if TYPE_CHECKING:
     from kvmem.atlas import Atlas
@@ -40,25 +52,33 @@ __all__ = ["AGREEMENT_COLUMNS", "DEFAULT_TOP_TRIGGERS", "agreement", "agreement_
 DEFAULT_TOP_TRIGGERS = (1, 5, 25)
 
 AGREEMENT_COLUMNS = {
+    "convention": "value projection convention (raw: W_U^T v, Geva et al.'s; final_norm: through the final norm)",
+    "side": "positive: top triggers with +v; negative: bottom triggers with -v (signed FFNs only)",
     "layer": "FFN layer",
-    "keys": "keys with at least one trigger that has a next token (triggers at a document's last token have none "
-            "and are skipped, so a key's top-1 trigger is its best trigger with a next token)",
-    "agree_top{k}": "fraction of keys whose value's top token is the next token of one of the key's top-k triggers",
-    "shuffled_top{k}": "the same with each key paired with another slot's value (seeded random derangement)",
-    "random_top{k}": "chance level: mean over keys of (distinct next tokens among the top-k triggers) / |V|",
+    "neurons": "neurons with at least one trigger that has a next token (triggers at a document's last token have "
+               "none and are skipped, so a neuron's top-1 trigger is its best trigger with a next token)",
+    "agree_top{k}": "fraction of neurons whose value's top token is the next token of one of their top-k triggers",
+    "agree_top{k}_ci_low": "bootstrap 95% interval over neurons (low end)",
+    "agree_top{k}_ci_high": "its high end",
+    "null_top{k}": "exact expected agreement with the layer's values permuted among its neurons (the null)",
+    "chance_top{k}": "reference only, not a null: mean over neurons of (distinct next tokens among the top-k) / |V|",
+    "self_top1": "alignment diagnostic: the value's top token is the top-1 trigger's own token (not the next)",
+    "null_self_top1": "exact permutation null of self_top1",
 }
 
 
 def agreement_from_frames(triggers: pd.DataFrame, value_tops: pd.DataFrame, *, vocab_size: int,
-                          top_triggers: Sequence[int] = DEFAULT_TOP_TRIGGERS, seed: int = 0) -> pd.DataFrame:
-    """The agreement metric from plain frames (the pure core of :func:`agreement`).
+                          top_triggers: Sequence[int] = DEFAULT_TOP_TRIGGERS, n_boot: int = 1000,
+                          seed: int = 0) -> pd.DataFrame:
+    """The agreement metric from plain frames (the pure core of :func:`agreement`), one side and convention.
 
-    ``triggers``: columns layer, neuron, rank (0 = the key's strongest trigger), next_token_id (-1: none).
-    ``value_tops``: columns layer, neuron, token_id: each slot's value's top token.
-    ``seed``: the shuffled pairing of each layer is drawn from ``default_rng([seed, layer])``.
-    Returns one row per layer, columns :data:`AGREEMENT_COLUMNS` (one agree/shuffled/random column per k).
+    ``triggers``: columns layer, neuron, rank (0 = the neuron's strongest trigger), next_token_id (-1: none)
+    and, for the alignment diagnostic, token_id. ``value_tops``: columns layer, neuron, token_id: each
+    memory's top token. ``seed``: the bootstrap's. Returns one row per layer, the columns of
+    :data:`AGREEMENT_COLUMNS` from ``layer`` on (one agree/ci/null/chance group per k).
     """
     check_seed(seed)
+    check_positive("n_boot", n_boot)
     ks = sorted({int(k) for k in top_triggers})
     if not ks or ks[0] < 1:
         raise KvmemError(f"top_triggers must be integers >= 1, got {list(top_triggers)}")
@@ -68,98 +88,132 @@ def agreement_from_frames(triggers: pd.DataFrame, value_tops: pd.DataFrame, *, v
                                 (value_tops, {"layer", "neuron", "token_id"}, "value_tops")):
         if not needed <= set(frame.columns):
             raise KvmemError(f"{name} needs columns {sorted(needed)}, got {list(frame.columns)}")
+    has_self = "token_id" in triggers
     valid = triggers[triggers.next_token_id.to_numpy() >= 0].sort_values(["layer", "neuron", "rank"], kind="stable")
     valid = valid.assign(order=valid.groupby(["layer", "neuron"]).cumcount().to_numpy())
     rows = []
     for layer, tops in value_tops.groupby("layer", sort=True):
         top_of = dict(zip(tops.neuron.to_numpy().tolist(), tops.token_id.to_numpy().tolist()))
         here = valid[(valid.layer.to_numpy() == layer) & valid.neuron.isin(list(top_of)).to_numpy()]
-        keys = np.unique(here.neuron.to_numpy())
-        row = {"layer": int(layer), "keys": len(keys)}
-        # shuffled: key keys[i] is paired with the value of keys[sigma[i]]
-        sigma = single_cycle(len(keys), np.random.default_rng([seed, int(layer)]))  # per layer: independent of the others
-        shuffled_of = {int(keys[i]): top_of[int(keys[sigma[i]])] for i in range(len(keys))}
+        neurons = np.unique(here.neuron.to_numpy())
+        own = np.array([top_of[n] for n in neurons.tolist()], np.int64)  # [neurons] each memory's top token
+        row = {"layer": int(layer), "neurons": len(neurons)}
         for k in ks:
-            part = here[here.order.to_numpy() < k]
-            neuron = part.neuron.to_numpy()
-            nxt = part.next_token_id.to_numpy()
-            own = np.array([top_of[n] for n in neuron.tolist()], np.int64)
-            other = np.array([shuffled_of[n] for n in neuron.tolist()], np.int64)
-            hits = pd.DataFrame({"neuron": neuron, "own": nxt == own, "other": nxt == other, "next": nxt})
-            per_key = hits.groupby("neuron").agg(own=("own", "any"), other=("other", "any"), distinct=("next", "nunique"))
-            n = max(len(keys), 1)
-            row[f"agree_top{k}"] = float(per_key.own.sum()) / n if len(keys) else float("nan")
-            row[f"shuffled_top{k}"] = float(per_key.other.sum()) / n if len(keys) > 1 else float("nan")
-            row[f"random_top{k}"] = float(per_key.distinct.mean()) / vocab_size if len(keys) else float("nan")
+            first = here[here.order.to_numpy() < k]
+            sets = first.groupby("neuron").next_token_id.agg(lambda s: set(s.tolist()))
+            target_sets = [sets[n] for n in neurons.tolist()]
+            hits = np.array([t in s for t, s in zip(own.tolist(), target_sets)], np.float64)
+            row[f"agree_top{k}"] = float(hits.mean()) if len(hits) else float("nan")
+            row[f"agree_top{k}_ci_low"], row[f"agree_top{k}_ci_high"] = bootstrap_ci(hits, n_boot=n_boot, seed=seed)
+            row[f"null_top{k}"] = exact_permutation_null(target_sets, own)
+            row[f"chance_top{k}"] = (float(np.mean([len(s) for s in target_sets])) / vocab_size if len(hits)
+                                     else float("nan"))
+        if has_self:
+            first = here[here.order.to_numpy() == 0].set_index("neuron").token_id
+            self_sets = [{int(first[n])} for n in neurons.tolist()]
+            row["self_top1"] = float(np.mean([t in s for t, s in zip(own.tolist(), self_sets)])) if len(own) else float("nan")
+            row["null_self_top1"] = exact_permutation_null(self_sets, own)
         rows.append(row)
-    columns = ["layer", "keys"] + [f"{p}_top{k}" for k in ks for p in ("agree", "shuffled", "random")]
-    return pd.DataFrame(rows, columns=columns)
+    columns = ["layer", "neurons"] + [f"{p}_top{k}{q}" for k in ks for p, q in (
+        ("agree", ""), ("agree", "_ci_low"), ("agree", "_ci_high"), ("null", ""), ("chance", ""))]
+    return pd.DataFrame(rows, columns=columns + (["self_top1", "null_self_top1"] if has_self else []))
 
 
-def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None, convention: str = "final_norm",
+def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
+              convention: str | Sequence[str] | None = None, sides: str | Sequence[str] | None = None,
               top_triggers: Sequence[int] | None = None, kind: str = "top", layers: Sequence[int] | None = None,
-              seed: int = 0) -> pd.DataFrame:
-    """Per layer, the fraction of keys whose value's top token is the next token of the key's top trigger(s).
+              n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per convention, side and layer: the fraction of neurons whose value's top token is the next token of
+    their top trigger (``agree_top1``) or of any of their top-k triggers, with its exact permutation null,
+    a bootstrap interval and the self-token alignment diagnostic.
 
-    ``atlas``: an Atlas or its directory. ``convention``: value projection (``final_norm`` or ``raw``),
-    read from the atlas's values table (rank 0 = the full argmax over the vocabulary); ``model`` is
-    needed only for a convention the atlas lacks (its fingerprint is checked). ``top_triggers``:
-    the k values (default 1, 5, 25, capped at the atlas's top_k). ``kind``: ``top`` (top-k positions)
-    or ``top_doc`` (one per document, Geva et al.'s choice; needs an atlas scanned with per_document).
-    ``seed``: the shuffled baseline's permutation. Columns: :data:`AGREEMENT_COLUMNS`; provenance in
-    ``frame.attrs``.
+    ``atlas``: an Atlas or its directory. ``convention``: one or several of ``raw`` (Geva et al.'s) and
+    ``final_norm``; None: both, read from the atlas's values table (rank 0 = the full argmax), so
+    ``model`` is needed only for a convention the atlas lacks (its fingerprint is checked). ``sides``:
+    None reads gated FFNs as two memories per slot and ReLU/GELU as one (see :data:`AGREEMENT_COLUMNS`).
+    ``top_triggers``: the k values (default 1, 5, 25, capped at the atlas's top_k). ``kind``: ``top``
+    (top-k positions) or ``top_doc`` (one per document, Geva et al.'s choice; needs a per-document atlas).
+    ``n_boot``/``seed``: the bootstrap. Columns :data:`AGREEMENT_COLUMNS`; provenance in ``frame.attrs``.
     """
     atlas = as_atlas(atlas)
     if kind not in ("top", "top_doc"):
         raise KvmemError(f"kind must be 'top' or 'top_doc', got {kind!r}")
     if kind == "top_doc" and not atlas.manifest["scan"].get("per_document"):
         raise KvmemError(f"atlas {atlas.path} has no per-document triggers; use kind='top' or rescan with --per-document")
-    check_convention(convention, None if model is not None else atlas)
+    conventions = conventions_for(convention if convention is not None or model is not None else
+                                  [c for c in ("raw", "final_norm") if c in atlas.conventions],
+                                  None if model is not None else atlas)
+    gated = bool(atlas.manifest["model"].get("gated"))
+    chosen_sides = memory_sides(gated, sides)
     top_k = int(atlas.manifest["scan"]["top_k"])
     if top_triggers is None:
         ks = sorted({min(k, top_k) for k in DEFAULT_TOP_TRIGGERS})
     else:
         ks = sorted({int(k) for k in top_triggers})
         if not ks or ks[0] < 1 or ks[-1] > top_k:
-            raise KvmemError(f"top_triggers must lie in 1..{top_k} (the atlas keeps {top_k} triggers per key), got {ks}")
+            raise KvmemError(f"top_triggers must lie in 1..{top_k} (the atlas keeps {top_k} triggers per neuron), got {ks}")
     chosen = atlas_layers(atlas, layers)
+    check_seed(seed)
     match = check_fingerprint(atlas, model) if model is not None else None
-    triggers = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "next_token_id"],
-                            [("kind", "=", kind), ("next_token_id", ">=", 0)])
-    triggers = triggers[triggers.layer.isin(chosen)]
-    parts = []
-    for layer in chosen:
-        top, _ = value_top_tokens(model, layer, convention, atlas=atlas)
-        parts.append(pd.DataFrame({"layer": layer, "neuron": np.arange(len(top)), "token_id": top}))
     vocab_size = int(atlas.manifest["model"]["vocab_size"])
-    frame = agreement_from_frames(triggers, pd.concat(parts, ignore_index=True), vocab_size=vocab_size,
-                                  top_triggers=ks, seed=seed)
-    frame.attrs = provenance("agreement", model=model, atlas=atlas, convention=convention, settings={
-        "top_triggers": ks, "kind": kind, "layers": chosen, "seed": seed,
-        "value_top": "argmax of the value's vocabulary scores (atlas values table, rank 0, kind promote)"})
+    parts = []
+    for side in chosen_sides:
+        triggers = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
+                                [("kind", "=", trigger_kind(side, kind)), ("next_token_id", ">=", 0),
+                                 ("layer", "in", chosen)])
+        for name in conventions:
+            tops = []
+            for layer in chosen:
+                top = value_top_tokens(model, layer, name, atlas=atlas)[0 if side == "positive" else 1]
+                tops.append(pd.DataFrame({"layer": layer, "neuron": np.arange(len(top)), "token_id": top}))
+            frame = agreement_from_frames(triggers, pd.concat(tops, ignore_index=True), vocab_size=vocab_size,
+                                          top_triggers=ks, n_boot=n_boot, seed=seed)
+            frame.insert(0, "side", side)
+            frame.insert(0, "convention", name)
+            parts.append(frame)
+    frame = pd.concat(parts, ignore_index=True)
+    frame.attrs = provenance("agreement", model=model, atlas=atlas, convention=conventions[0], settings={
+        "conventions": conventions, "sides": list(chosen_sides), "top_triggers": ks, "kind": kind, "layers": chosen,
+        "n_boot": n_boot, "seed": seed, "gated": gated,
+        "null": "exact expectation under a uniform permutation of the layer's values among its neurons",
+        "chance": "reference only: distinct next tokens / |V|",
+        "value_top": "argmax of the memory's vocabulary scores (+v: values table promote rank 0; -v: suppress rank 0)"})
     if match is not None:
         frame.attrs["fingerprint_match"] = match
     return frame
 
 
-def plot_agreement(frame: pd.DataFrame, *, ax=None):
-    """Agreement (solid), the shuffled-values baseline (dashed) and chance (dotted) per layer, in percent."""
+def _panel(frame: pd.DataFrame, convention: str | None) -> tuple[pd.DataFrame, str]:
+    """The rows of one convention (default: raw when present, Geva et al.'s), and its name."""
+    if "convention" not in frame:
+        return frame, frame.attrs.get("convention", "?")
+    names = list(dict.fromkeys(frame.convention))
+    chosen = convention or ("raw" if "raw" in names else names[0])
+    if chosen not in names:
+        raise KvmemError(f"convention {chosen!r} is not in this frame; it has {', '.join(names)}")
+    return frame[frame.convention == chosen], chosen
+
+
+def plot_agreement(frame: pd.DataFrame, *, ax=None, convention: str | None = None):
+    """Top-1 agreement per layer and side with its bootstrap band, the exact permutation null (dashed) and
+    the 1/|V| reference (dotted), in percent, for one convention (default raw)."""
     import matplotlib.pyplot as plt
 
-    ks = [int(c.removeprefix("agree_top")) for c in frame.columns if c.startswith("agree_top")]
-    if "layer" not in frame or not ks:
-        raise KvmemError("plot_agreement expects the frame of kvmem.experiments.agreement (columns layer, agree_top<k>)")
+    if not {"layer", "agree_top1", "null_top1"} <= set(frame.columns):
+        raise KvmemError("plot_agreement expects the frame of kvmem.experiments.agreement (columns layer, agree_top1, "
+                         "null_top1)")
+    frame, convention = _panel(frame, convention)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, k in enumerate(ks):
+    for i, (side, part) in enumerate(frame.groupby(frame.side if "side" in frame else np.zeros(len(frame)), sort=False)):
         color = colors[i % len(colors)]
-        ax.plot(frame.layer, 100 * frame[f"agree_top{k}"], color=color, marker="o", ms=3, label=f"top-{k} trigger(s)")
-        ax.plot(frame.layer, 100 * frame[f"shuffled_top{k}"], color=color, ls="--", lw=1, label=f"top-{k}, shuffled values")
-        ax.plot(frame.layer, 100 * frame[f"random_top{k}"], color=color, ls=":", lw=1)
+        ax.fill_between(part.layer, 100 * part.agree_top1_ci_low, 100 * part.agree_top1_ci_high, color=color, alpha=0.2)
+        ax.plot(part.layer, 100 * part.agree_top1, color=color, marker="o", ms=3, label=f"{side} side, top-1 trigger")
+        ax.plot(part.layer, 100 * part.null_top1, color=color, ls="--", lw=1, label=f"{side}, permutation null")
+    ax.plot(frame.layer, 100 * frame.chance_top1, color="tab:gray", ls=":", lw=1, label="1/|V| (reference)")
     ax.set_xlabel("layer")
-    ax.set_ylabel("keys whose value's top token\nis a trigger's next token (%)")
-    convention = frame.attrs.get("convention", "?")
-    ax.set_title(f"agreement ({frame.attrs.get('model', '?')}, {convention}; dotted: chance)")
+    ax.set_ylabel("neurons whose value's top token\nis the trigger's next token (%)")
+    ax.set_title(f"agreement ({frame.attrs.get('model', '?')}, {convention})")
     ax.legend(fontsize="small")
     return ax

@@ -1,0 +1,159 @@
+"""Statistics for the experiments, in numpy alone: exact permutation null, bootstrap intervals, paired tests.
+
+All functions are pure (arrays in, numbers out) and pinned by tests on hand-built cases whose answers
+are known exactly (a layer small enough to enumerate every permutation, differences whose Wilcoxon
+statistic is computed by hand).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from kvmem.errors import KvmemError
+
+__all__ = [
+    "average_ranks",
+    "bootstrap_ci",
+    "exact_permutation_null",
+    "sign_test",
+    "wilcoxon_signed_rank",
+]
+
+
+def exact_permutation_null(target_sets: Sequence[Iterable[int]], value_tokens: Sequence[int]) -> float:
+    """Expected agreement when values are permuted uniformly at random within the layer.
+
+    Neuron i agrees when the top token of the value it is paired with lies in ``target_sets[i]``
+    (its trigger(s)' next tokens). Under a uniform random permutation π of the layer's n values,
+    P(value_tokens[π(i)] ∈ S_i) = #{j : value_tokens[j] ∈ S_i} / n, so the expected fraction of
+    agreeing neurons is Σ_i #{j : t_j ∈ S_i} / n². This keeps both the token frequencies of the
+    values and those of the next tokens, which 1/|V| does not. Returns NaN for n = 0.
+    """
+    tokens = np.asarray(value_tokens, np.int64)
+    n = len(tokens)
+    if len(target_sets) != n:
+        raise KvmemError(f"need one target set per value: {len(target_sets)} sets for {n} values")
+    if n == 0:
+        return float("nan")
+    unique, counts = np.unique(tokens, return_counts=True)
+    total = 0
+    for targets in target_sets:
+        wanted = np.unique(np.asarray(list(targets), np.int64))
+        at = np.searchsorted(unique, wanted)
+        hit = (at < len(unique)) & (unique[np.minimum(at, len(unique) - 1)] == wanted)
+        total += int(counts[at[hit]].sum())
+    return total / (n * n)
+
+
+def _statistic(values: np.ndarray, weights: np.ndarray, statistic: Any) -> np.ndarray:
+    """Weighted statistic of ``values`` [N] per row of ``weights`` [B, N] -> [B]."""
+    if statistic == "mean":
+        return (weights @ values) / weights.sum(axis=1)
+    q = 0.5 if statistic == "median" else float(statistic)
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[:, order], axis=1)  # [B, N]
+    target = q * cumulative[:, -1:]
+    low = (cumulative >= target - 1e-9).argmax(axis=1)  # first value reaching the quantile
+    high = (cumulative > target + 1e-9).argmax(axis=1)  # first value passing it (the same unless exactly on it)
+    ordered = values[order]
+    return (ordered[low] + ordered[high]) / 2  # as np.median when the weight splits exactly in half
+
+
+def bootstrap_ci(values: Sequence[float], *, groups: Sequence[Any] | None = None,
+                 weights: Sequence[float] | None = None, statistic: str | float = "mean", n_boot: int = 1000,
+                 level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of a statistic: (low, high).
+
+    ``statistic``: ``"mean"`` (weighted by ``weights`` when given: a ratio of sums), ``"median"`` or a
+    quantile in (0, 1) (weighted: the value where the cumulative weight reaches it, or the midpoint of
+    the two values around it when the weight splits there exactly, as ``np.median`` does). ``groups``: resample whole groups (e.g. the triggers of one neuron together), else
+    single values. NaN values are dropped. Each replicate draws counts from a multinomial, so no
+    replicate exists as a copied array. Returns (NaN, NaN) when nothing is left.
+    """
+    if n_boot < 1 or not 0 < level < 1:
+        raise KvmemError(f"need n_boot >= 1 and 0 < level < 1, got n_boot={n_boot}, level={level}")
+    if statistic not in ("mean", "median") and not (isinstance(statistic, float) and 0 < statistic < 1):
+        raise KvmemError(f"statistic must be 'mean', 'median' or a quantile in (0, 1), got {statistic!r}")
+    values = np.asarray(values, np.float64)
+    weights = np.ones(len(values)) if weights is None else np.asarray(weights, np.float64)
+    group_ids = np.arange(len(values)) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+    keep = np.isfinite(values) & (weights > 0)
+    values, weights, group_ids = values[keep], weights[keep], group_ids[keep]
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    group_ids = np.unique(group_ids, return_inverse=True)[1]
+    n_groups = int(group_ids.max()) + 1
+    rng = np.random.default_rng(seed)
+    out = np.empty(n_boot)
+    chunk = max(1, int(4e6 // len(values)))
+    for start in range(0, n_boot, chunk):
+        stop = min(start + chunk, n_boot)
+        counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=stop - start)  # [b, groups]
+        element = counts[:, group_ids] * weights[None]  # [b, N]
+        empty = element.sum(axis=1) == 0
+        element[empty] = weights  # a replicate with no weight left (all-zero groups): keep the sample itself
+        out[start:stop] = _statistic(values, element, statistic)
+    tail = (1 - level) / 2
+    low, high = np.quantile(out, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+def average_ranks(values: Sequence[float]) -> np.ndarray:
+    """Ranks 1..n of ``values``, ties sharing the average of the ranks they span (as scipy's rankdata)."""
+    values = np.asarray(values, np.float64)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    upper = np.cumsum(counts)
+    return (upper - (counts - 1) / 2.0)[inverse]
+
+
+def _differences(x: Sequence[float], y: Sequence[float] | None) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    if y is not None:
+        y = np.asarray(y, np.float64)
+        if x.shape != y.shape:
+            raise KvmemError(f"paired samples must have the same length, got {x.shape} and {y.shape}")
+        x = x - y
+    return x[np.isfinite(x)]
+
+
+def wilcoxon_signed_rank(x: Sequence[float], y: Sequence[float] | None = None) -> dict[str, float]:
+    """Two-sided Wilcoxon signed-rank test of d = x - y (or x) against a median of 0, normal approximation.
+
+    Zero differences are dropped (Wilcoxon's rule); tied |d| share average ranks and the variance is
+    corrected for them: var = n(n+1)(2n+1)/24 - Σ(t³ - t)/48 over tie groups of size t. No continuity
+    correction. Returns {n, w_plus (sum of ranks of positive d), w_minus, z, p_value}; NaN z and p
+    when no non-zero difference is left.
+    """
+    d = _differences(x, y)
+    d = d[d != 0]
+    n = len(d)
+    if n == 0:
+        return {"n": 0, "w_plus": 0.0, "w_minus": 0.0, "z": float("nan"), "p_value": float("nan")}
+    ranks = average_ranks(np.abs(d))
+    w_plus = float(ranks[d > 0].sum())
+    w_minus = float(ranks[d < 0].sum())
+    _, ties = np.unique(np.abs(d), return_counts=True)
+    variance = n * (n + 1) * (2 * n + 1) / 24.0 - float(((ties ** 3) - ties).sum()) / 48.0
+    if variance <= 0:
+        return {"n": n, "w_plus": w_plus, "w_minus": w_minus, "z": float("nan"), "p_value": float("nan")}
+    z = (w_plus - n * (n + 1) / 4.0) / math.sqrt(variance)
+    return {"n": n, "w_plus": w_plus, "w_minus": w_minus, "z": z, "p_value": math.erfc(abs(z) / math.sqrt(2))}
+
+
+def sign_test(x: Sequence[float], y: Sequence[float] | None = None) -> dict[str, float]:
+    """Exact two-sided sign test of d = x - y (or x): zeros dropped, p = min(1, 2 P(Bin(n, 1/2) <= min(k, n-k))).
+
+    Returns {n, positive (k), p_value} (p computed in exact rational arithmetic; NaN for n = 0).
+    """
+    d = _differences(x, y)
+    d = d[d != 0]
+    n, positive = len(d), int((d > 0).sum())
+    if n == 0:
+        return {"n": 0, "positive": 0, "p_value": float("nan")}
+    tail = sum(math.comb(n, k) for k in range(min(positive, n - positive) + 1))
+    return {"n": n, "positive": positive, "p_value": float(min(Fraction(1), Fraction(2 * tail, 2 ** n)))}
