@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-from kvmem.errors import KvmemError
-
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     from kvmem.export import FORMATS
@@ -47,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
     atlas = open_atlas(args.atlas)
     model = None
     if args.model is not None:
-        if args.no_quantiles and atlas.manifest["scan"].get("context_activations", True):
-            raise KvmemError("--model is only used for quantile samples; drop --model or --no-quantiles")
         from kvmem.models import load_model
 
         model = load_model(args.model, device=args.device, dtype=atlas.manifest["model"].get("dtype"))
