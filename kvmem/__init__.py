@@ -24,6 +24,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "plots": ("kvmem.plots", None),
     "experiments": ("kvmem.experiments", None),
     "report": ("kvmem.report", None),
+    "export": ("kvmem.export", None),
+    "records": ("kvmem.records", None),
 }
 
 __all__ = ["__version__", *_LAZY]

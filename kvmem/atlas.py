@@ -235,17 +235,28 @@ class Atlas:
         contexts = self._table("sample_contexts")
         return frame.merge(contexts, on=["doc", "pos"], how="left").reset_index(drop=True)
 
-    def quantile_samples(self, layer: int, neuron: int, *, bands: int = 5, per_band: int = 5) -> list[pd.DataFrame]:
+    def quantile_samples(self, layer: int, neuron: int, *, bands: int = 5, per_band: int = 5,
+                         levels=None) -> list[pd.DataFrame]:
         """Uniform samples of each of ``bands`` quantile bands of the neuron's coefficients.
 
         Bands are whole histogram bins, cut where the cumulative count crosses i/bands (so each
         holds about 1/bands of the positions, as exactly as the bins allow); each band's sample is
         the ``per_band`` positions with the smallest sampling keys among its bins' samples, which
         is a uniform sample of the band. Each frame has a ``band`` column and the band's bounds.
+        ``levels``: increasing quantile levels from 0 to 1 (e.g. ``(0, 0.5, 0.9, 0.99, 0.999, 1)``)
+        instead of equal bands; a bin joins the band in which the count before it falls.
         """
         counts = self.histogram(layer, neuron)
         cumulative = counts["count"].cumsum().to_numpy() / max(int(counts["count"].sum()), 1)
-        band_of_bin = np.minimum((np.concatenate([[0.0], cumulative[:-1]]) * bands).astype(int), bands - 1)
+        before = np.concatenate([[0.0], cumulative[:-1]])
+        if levels is not None:
+            levels = [float(level) for level in levels]
+            if len(levels) < 2 or levels[0] != 0 or levels[-1] != 1 or sorted(set(levels)) != levels:
+                raise KvmemError(f"quantile levels must increase from 0 to 1 (e.g. 0, 0.5, 0.9, 1), got {levels}")
+            bands = len(levels) - 1
+            band_of_bin = np.searchsorted(np.asarray(levels[1:-1]), before, side="right")
+        else:
+            band_of_bin = np.minimum((before * bands).astype(int), bands - 1)
         samples = self.samples(layer, neuron, kind="bin")
         samples = samples.assign(band=band_of_bin[samples["bin"].to_numpy()])
         out = []

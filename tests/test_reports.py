@@ -82,6 +82,16 @@ class HostileAtlas(Atlas):
         frame["span_start"], frame["span_end"] = frame.span_start + len(HOSTILE), frame.span_end + len(HOSTILE)
         return frame
 
+    def samples(self, layer, neuron, *, kind=None):
+        frame = super().samples(layer, neuron, kind=kind).copy()
+        for column in ("token", "doc_id"):
+            frame[column] = _objects([text + HOSTILE for text in frame[column]])
+        frame["context_tokens"] = _objects([[HOSTILE, *tokens] for tokens in frame.context_tokens])
+        frame["context_trigger"] = frame.context_trigger + 1
+        frame["context"] = _objects([HOSTILE + text for text in frame.context])
+        frame["span_start"], frame["span_end"] = frame.span_start + len(HOSTILE), frame.span_end + len(HOSTILE)
+        return frame
+
     def values(self, layer, neuron, **kwargs):
         frame = super().values(layer, neuron, **kwargs).copy()
         frame["token"] = _objects([text + HOSTILE for text in frame.token])
@@ -117,7 +127,7 @@ def test_json_schema_matches_atlas(atlas, best, tmp_path):
     data = json.loads(path.read_text("utf-8"), parse_constant=lambda name: pytest.fail(f"non-JSON constant {name}"))
     assert data["schema"] == "kvmem.neuron/1" and (data["layer"], data["neuron"]) == (layer, neuron)
     assert set(data) == {"schema", "layer", "neuron", "provenance", "stats", "histogram", "triggers", "values", "keys",
-                         "agreement"}
+                         "agreement", "quantiles"}
     p = data["provenance"]
     assert p["fingerprint"] == atlas.manifest["model"]["fingerprint"] and p["tokens"] == atlas.manifest["tokens"]
     assert list(p["conventions"]) == atlas.conventions and p["convention"] == atlas.default_convention == DEFAULT_CONVENTION
@@ -178,6 +188,10 @@ def test_html_is_self_contained_and_escaped(atlas, best, tmp_path):
             assert needle in shown
         for trigger in atlas.triggers(layer, neuron).itertuples():
             assert visible(trigger.context) in shown  # context shows as text, escaped, in full
+        assert "Quantile samples" in shown
+        for band in atlas.quantile_samples(layer, neuron, levels=(0, 0.5, 0.9, 0.99, 0.999, 1), per_band=3):
+            for sample in band.itertuples():
+                assert visible(sample.context) in shown
     parsed = assert_safe_html(index.read_text("utf-8"), scripts=1)
     links = [attrs["href"] for tag, attrs in parsed.tags if tag == "a"]
     assert links == [f"L{layer}_N{neuron}.html" for layer, neuron in best]
@@ -204,6 +218,10 @@ def test_hostile_strings_everywhere(atlas, best, tmp_path):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in text
     data = json.loads((tmp_path / "json" / f"L{best[0][0]}_N{best[0][1]}.json").read_text("utf-8"))
     assert data["triggers"]["top"][0]["token"].endswith(clean(HOSTILE))
+    quantile = next(s for band in data["quantiles"] for s in band["samples"])
+    assert quantile["token"].endswith(clean(HOSTILE)) and quantile["context_tokens"][0] == clean(HOSTILE)
+    section = text[text.index("<h2>Quantile samples</h2>"):text.index("<h2>Value projection</h2>")]
+    assert section.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 2 and "<script>" not in section
     assert_safe_markdown(tmp_path / "md" / f"L{best[0][0]}_N{best[0][1]}.md")
     assert_safe_markdown(tmp_path / "md" / "index.md")
 
@@ -252,7 +270,8 @@ def test_report_without_context_activations(gpt2_model, tmp_path):
     text = export_neuron(tmp_path / "atlas", 0, 7, out=tmp_path).read_text("utf-8")  # a path opens the atlas
     parsed = assert_safe_html(text)
     outlined = [attrs for tag, attrs in parsed.tags if tag == "span" and attrs.get("class") == "trig"]
-    assert len(outlined) == 6 and all(attrs["title"].startswith("m = ") for attrs in outlined)
+    quantile = sum(len(band["samples"]) for band in data["quantiles"])  # the quantile samples outline theirs too
+    assert len(outlined) == 6 + quantile and all(attrs["title"].startswith("m = ") for attrs in outlined)
     assert not [attrs for tag, attrs in parsed.tags if "background" in attrs.get("style", "")]
 
 

@@ -190,10 +190,33 @@ def _agreement(data: dict) -> str:
             "are checked against the suppressed tokens. Chance: top_n / vocabulary size.</p>" + table + found)
 
 
+def _quantiles(data: dict) -> str:
+    bands = data.get("quantiles") or []
+    if not bands:
+        return ""
+    rows = []
+    for band in bands:
+        label = f"{band['levels'][0]:g}–{band['levels'][1]:g}"
+        bounds = f"[{fmt(band['low'])}, {fmt(band['high'])}]"
+        if not band["samples"]:
+            rows.append(f'<tr><td>{label}</td><td class="num">{bounds}</td><td></td>'
+                        '<td class="none">no sample kept</td><td></td></tr>')
+        for s in band["samples"]:
+            rows.append(f'<tr><td>{label}</td><td class="num">{bounds}</td><td class="num">{fmt(s["activation"], "#.4g")}'
+                        f"</td><td>{context_html(s, 0.0)}</td>"
+                        f'<td class="note">{esc(s["doc_id"])}:{s["pos"]}</td></tr>')
+    return ("<h2>Quantile samples</h2><p>Uniform samples of the positions in each quantile band of this slot's "
+            "coefficients (bands made of whole histogram bins; bounds are the bins' edges, – for unbounded). "
+            "Only the sampled token's coefficient is stored; it is outlined.</p>"
+            '<table class="bt"><tr><th>quantiles</th><th class="num">band</th><th class="num">m</th>'
+            f'<th>context (sampled token outlined)</th><th>document:position</th></tr>{"".join(rows)}</table>')
+
+
 def render_neuron(data: dict, figures: list) -> str:
     """The complete page for one ``kvmem.neuron/1`` dict and its :class:`~kvmem.report.figures.Figure` list."""
     by_name = {figure.name: figure for figure in figures}
-    body = (_header(data) + _stats(data, by_name) + _triggers(data, by_name) + _values(data, by_name) + _keys(data)
+    body = (_header(data) + _stats(data, by_name) + _triggers(data, by_name) + _quantiles(data) + _values(data, by_name)
+            + _keys(data)
             + _agreement(data))
     footer = (f'Written by kvmem {esc(_version())} from the atlas <span class="mono">{esc(data["provenance"]["atlas"])}'
               "</span>; schema kvmem.neuron/1. Every number comes from the atlas files; nothing is fetched.")

@@ -24,6 +24,11 @@ Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
                   Does the value promote what follows the key's top triggers (and, since m < 0 flips
                   the value, suppress what follows its bottom triggers)? Triggers at a document's end
                   and bottom triggers with m >= 0 are not checked.
+    quantiles     [{levels: [low, high] quantile levels (QUANTILE_LEVELS), low, high: coefficient bounds of the
+                   band's histogram bins (null: unbounded or empty band), samples: [sample]}] from
+                  Atlas.quantile_samples; sample = {rank, activation, doc_id, pos, token, context, span,
+                  context_tokens, context_trigger, context_activations: [] (not stored for these samples)};
+                  [] when the atlas holds no samples
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from kvmem.report.text import clean
 __all__ = ["SCHEMA", "neuron_data"]
 
 SCHEMA = "kvmem.neuron/1"
+QUANTILE_LEVELS = (0.0, 0.5, 0.9, 0.99, 0.999, 1.0)  # the bands of OpenAI's neuron viewer
+QUANTILE_SAMPLES = 3  # samples shown per band
 _STATS = ("count", "mean", "std", "min", "max", "frac_positive", "key_norm", "gate_norm", "value_norm")
 
 
@@ -90,7 +97,25 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
         "keys": _projections(record.keys, "vector", order=KEY_VECTORS),
     }
     data["agreement"] = agreement(data)
+    data["quantiles"] = _quantiles(atlas, layer, neuron)
     return data
+
+
+def _quantiles(atlas, layer: int, neuron: int) -> list[dict]:
+    if not (atlas.path / "samples.parquet").exists():
+        return []
+    bands = atlas.quantile_samples(layer, neuron, levels=QUANTILE_LEVELS, per_band=QUANTILE_SAMPLES)
+    out = []
+    for i, frame in enumerate(bands):
+        low, high = (frame.band_low.iloc[0], frame.band_high.iloc[0]) if len(frame) else (None, None)
+        out.append({"levels": [QUANTILE_LEVELS[i], QUANTILE_LEVELS[i + 1]], "low": _number(low), "high": _number(high),
+                    "samples": [{"rank": int(row.rank), "activation": _number(row.activation), "doc_id": clean(row.doc_id),
+                                 "pos": int(row.pos), "token": clean(row.token), "context": clean(row.context),
+                                 "span": [int(row.span_start), int(row.span_end)],
+                                 "context_tokens": [clean(t) for t in _list(row.context_tokens)],
+                                 "context_trigger": int(row.context_trigger), "context_activations": []}
+                                for row in frame.itertuples()]})
+    return out
 
 
 def _triggers(frame) -> dict:

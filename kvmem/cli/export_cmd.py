@@ -1,0 +1,55 @@
+"""``kvmem export``: write an atlas's neurons in another tool's format (formats: :data:`kvmem.export.FORMATS`).
+
+    kvmem export --atlas A --format neuron-explainer --out DIR [--layers L ...] [--neurons L:N ...] [--model M]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    from kvmem.export import FORMATS
+
+    formats = "; ".join(f"{name}: {fmt.description}" for name, fmt in FORMATS.items())
+    parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
+    parser.add_argument("--format", required=True, choices=list(FORMATS), help=formats)
+    parser.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
+    parser.add_argument("--layers", type=int, nargs="+", default=None, help="export every neuron of these layers")
+    parser.add_argument("--neurons", type=_pair, nargs="+", default=None, metavar="L:N",
+                        help="export these neurons (with --layers: both); neither: the whole atlas")
+    parser.add_argument("--model", default=None,
+                        help="the scanned model, for context coefficients of quantile samples "
+                             "(default: load the model named in the atlas manifest)")
+    parser.add_argument("--corpus", default=None, help="the scanned corpus, if the manifest's spec cannot reopen it")
+    parser.add_argument("--no-quantiles", action="store_true",
+                        help="write random_sample_by_quantile and quantile_boundaries as null (no model needed)")
+    parser.add_argument("--per-band", type=int, default=5, help="samples per quantile band (default 5)")
+    parser.add_argument("--device", default=None, help="device for --model (default: cuda if available, else cpu)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous export in --out")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        layer, neuron = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER:NEURON (e.g. 3:17), got {text!r}") from None
+    return layer, neuron
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmem.atlas import open_atlas
+    from kvmem.export import export_atlas
+
+    atlas = open_atlas(args.atlas)
+    model = None
+    if args.model is not None:
+        from kvmem.models import load_model
+
+        model = load_model(args.model, device=args.device, dtype=atlas.manifest["model"].get("dtype"))
+    out = export_atlas(atlas, format=args.format, out=args.out, layers=args.layers, neurons=args.neurons, model=model,
+                       corpus=args.corpus, overwrite=args.overwrite, progress=not args.no_progress,
+                       quantiles=not args.no_quantiles, per_band=args.per_band)
+    print(f"wrote {args.format} export of {len(list((out / 'kvmem').glob('*/*.json')))} neuron(s) to {out}")
+    return 0
