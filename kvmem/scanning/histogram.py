@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin", "bin_of"]
+__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin", "bin_of", "positive_counts"]
 
 _LOW_EXP = -7  # smallest finite edge 2^-7
 _HIGH_EXP = 7  # largest finite edge 2^7
@@ -64,7 +64,10 @@ def _tables(d_ff: int, device):
 
     key = (str(device), d_ff)
     if key not in _LUT:
-        _LUT[key] = (_raw_to_bin().to(device), torch.arange(d_ff, dtype=torch.int32, device=device))
+        # neuron offsets for the bincount index: (bits >> 22) * d_ff + neuron + 512 * d_ff >= 0
+        lut = _raw_to_bin().to(device)
+        rows = (torch.arange(_RAW_CODES, device=device) - 512) & 0x3FF  # bincount row -> raw code
+        _LUT[key] = (lut, torch.arange(d_ff, dtype=torch.int32, device=device) + 512 * d_ff, lut[rows])
     return _LUT[key]
 
 
@@ -72,28 +75,43 @@ def bin_of(values):
     """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (same bins as :func:`bin_index`)."""
     import torch
 
-    lut, _ = _tables(values.shape[-1], values.device)
+    lut = _tables(values.shape[-1], values.device)[0]
     return lut[(values.contiguous().view(torch.int32) >> 22) & 0x3FF]
 
 
-def histogram_update(counts, values) -> None:
+def histogram_update(counts, values):
     """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32.
 
-    One shift and mask give each value's raw code (1024 possible); one bincount over
-    ``code * d_ff + neuron`` (code-major, which keeps its writes local) counts them; a
-    fixed lookup folds the raw codes into the 60 bins. Same bins as :func:`bin_index`.
+    One arithmetic shift gives each value's raw code (sign, exponent and first mantissa bit:
+    1024 possible); one bincount over ``code * d_ff + neuron`` (code-major, which keeps its writes
+    local) counts them; a fixed lookup folds the raw codes into the 60 bins. Same bins as
+    :func:`bin_index`. Returns the raw counts [1024, d_ff] by shifted bits (see :func:`positive_counts`).
     """
     import torch
 
     n, d_ff = values.shape
     device = values.device
-    lut, neurons = _tables(d_ff, device)
-    raw = (values.contiguous().view(torch.int32) >> 22) & 0x3FF  # [N, d_ff]
-    index = raw.mul_(d_ff).add_(neurons)
-    per_code = torch.bincount(index.view(-1), minlength=_RAW_CODES * d_ff).view(_RAW_CODES, d_ff)
+    _, neurons, row_lut = _tables(d_ff, device)
+    # (bits >> 22) is sign-extended: -512..511, sign bit set below 0; offset it to 0..1023 with the neuron
+    index = (values.contiguous().view(torch.int32) >> 22).mul_(d_ff).add_(neurons)
+    # row r counts the values whose shifted bits are r - 512, i.e. raw code (r - 512) & 0x3FF
+    per_row = torch.bincount(index.view(-1), minlength=_RAW_CODES * d_ff).view(_RAW_CODES, d_ff)
     folded = torch.zeros(HIST_BINS, d_ff, dtype=torch.int64, device=device)
-    folded.index_add_(0, lut, per_code)
+    folded.index_add_(0, row_lut, per_row)
     counts += folded.T
+    return per_row
+
+
+def positive_counts(per_row, values):
+    """#{m > 0} per neuron [d_ff] int64 from :func:`histogram_update`'s counts [1024, d_ff] (row 512 + c
+    holds raw code c: codes 1..511 are positive; code 0 holds +0.0 and the smallest positive
+    subnormals, which are counted from the values only when it is not empty)."""
+    import torch
+
+    positive = per_row[513:].sum(dim=0)
+    if bool(per_row[512].any()):
+        positive += torch.count_nonzero((values > 0) & (values < 2.0**-127), dim=0)
+    return positive
 
 
 def reference_bin(value: float) -> int:

@@ -17,7 +17,7 @@ smallest keys are the whole stream's smallest keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -115,6 +115,7 @@ class BinSample:
     values: Tensor
     seed: int = 0
     rate: float = 0.125
+    _last: Tensor | None = field(default=None, repr=False)  # cache: key of the last kept entry per (neuron, bin)
 
     @classmethod
     def empty(cls, per_bin: int, d_ff: int, device, *, seed: int, rate: float) -> BinSample:
@@ -131,36 +132,35 @@ class BinSample:
         rows = (keys < self.limit()).nonzero().squeeze(1)  # the thinned positions
         if rows.numel() == 0:
             return
+        rows = rows[torch.argsort(keys[rows], stable=True)]  # by key: candidates come out in key order
+        row_keys = keys[rows]
         sub = acts[rows]  # [r, F]
         slot = bin_of(sub) + torch.arange(d_ff, device=acts.device) * bins  # [r, F] flat (neuron, bin)
-        last = _keys_or_none(self.codes[:, :, -1].reshape(-1), self.seed)  # [F*B] key to beat
-        cand = keys[rows][:, None] < last[slot]
-        at_row, at_neuron = cand.nonzero(as_tuple=True)
+        if self._last is None:  # the key each (neuron, bin) must beat, kept up to date below
+            self._last = _keys_or_none(self.codes[:, :, -1].reshape(-1), self.seed)  # [F*B]
+        at_row, at_neuron = (row_keys[:, None] < self._last[slot]).nonzero(as_tuple=True)  # by key
         if at_row.numel() == 0:
             return
         cand_slot = slot[at_row, at_neuron]
-        cand_code = codes[rows][at_row]
-        cand_value = sub[at_row, at_neuron]
-        # group candidates by slot: sorted by slot, then by key within a slot
-        cand_key = keys[rows][at_row]
-        order = torch.argsort(cand_key, stable=True)
-        order = order[torch.argsort(cand_slot[order], stable=True)]
-        cand_slot, cand_code, cand_value = cand_slot[order], cand_code[order], cand_value[order]
+        by_slot = torch.argsort(cand_slot, stable=True)  # grouped by slot, key order kept within
+        cand_slot, at_row, at_neuron = cand_slot[by_slot], at_row[by_slot], at_neuron[by_slot]
         slots, counts = torch.unique_consecutive(cand_slot, return_counts=True)
-        depth = int(counts.max())
         starts = counts.cumsum(0) - counts
         which = torch.repeat_interleave(torch.arange(slots.numel(), device=acts.device), counts)
         rank = torch.arange(cand_slot.numel(), device=acts.device) - starts[which]
-        new_codes = torch.full((slots.numel(), depth), -1, dtype=torch.int64, device=acts.device)
-        new_values = torch.full((slots.numel(), depth), float("nan"), dtype=torch.float32, device=acts.device)
-        new_codes[which, rank] = cand_code
-        new_values[which, rank] = cand_value
+        first = rank < q  # only a slot's q smallest new keys can be kept
+        which, rank, at_row, at_neuron = which[first], rank[first], at_row[first], at_neuron[first]
+        new_codes = torch.full((slots.numel(), q), -1, dtype=torch.int64, device=acts.device)
+        new_values = torch.full((slots.numel(), q), float("nan"), dtype=torch.float32, device=acts.device)
+        new_codes[which, rank] = codes[rows][at_row]
+        new_values[which, rank] = sub[at_row, at_neuron]
         flat_codes, flat_values = self.codes.view(-1, q), self.values.view(-1, q)
-        all_codes = torch.cat([flat_codes[slots], new_codes], dim=1)
+        all_codes = torch.cat([flat_codes[slots], new_codes], dim=1)  # [U, 2q]
         all_values = torch.cat([flat_values[slots], new_values], dim=1)
         keep = _order(_keys_or_none(all_codes, self.seed), all_codes, 1)[:, :q]
         flat_codes[slots] = all_codes.gather(1, keep)
         flat_values[slots] = all_values.gather(1, keep)
+        self._last[slots] = _keys_or_none(flat_codes[slots, -1], self.seed)
 
     def merge(self, other: BinSample) -> BinSample:
         q = self.codes.shape[2]
