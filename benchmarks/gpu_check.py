@@ -88,7 +88,7 @@ def whole_scan_ratio(model, tokens: int, batch_size: int, out: Path) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     return {"bare_s": bare, "scan_s": seconds, "ratio": bare / seconds,
-            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "phases": atlas.manifest["timing"]["phases"]}
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "phases": atlas.manifest.timing["phases"]}
 
 
 def main() -> int:
@@ -100,8 +100,9 @@ def main() -> int:
         print("gpu_check: no CUDA device here; nothing to check (run it on a machine with an NVIDIA GPU)")
         return 0
 
-    import kvmem
     from common import machine
+
+    import kvmem
     from kvmem.builtin import gpt2_random_dir
 
     rows = []

@@ -74,7 +74,7 @@ def main() -> None:
             atlas = kvmem.scan(model, args.corpus, out=f"{out}/warm", overwrite=True, max_tokens=args.tokens,
                                progress=False)
         whole.append(timer.seconds)
-        phases.append(atlas.manifest["timing"]["phases"])
+        phases.append(atlas.manifest.timing["phases"])
     shutil.rmtree(out, ignore_errors=True)
     bare_s, whole_s = statistics.median(bare), statistics.median(whole)
     result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 1),

@@ -7,7 +7,6 @@ layer and neuron block, see :mod:`kvmem.schema`), so they stay fast on large atl
 from __future__ import annotations
 
 import html
-import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,7 +18,8 @@ import pyarrow.parquet as pq
 
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
-from kvmem.schema import READABLE_VERSIONS, SAMPLE_KINDS, TABLES, TRIGGER_KINDS
+from kvmem.manifest import Manifest
+from kvmem.schema import SAMPLE_KINDS, TABLES, TRIGGER_KINDS
 
 __all__ = ["open_atlas", "Atlas", "NeuronRecord"]
 
@@ -94,14 +94,7 @@ class Atlas:
             raise KvmemError(f"atlas {self.path} does not exist (or is not a directory); scan one with kvmem scan")
         if not manifest.exists():
             raise KvmemError(f"{manifest} is missing: {self.path} is not a complete atlas; scan again")
-        try:
-            self.manifest = json.loads(manifest.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise KvmemError(f"{manifest} is corrupt ({error}); scan again") from None
-        if self.manifest.get("format_version") not in READABLE_VERSIONS:
-            raise KvmemError(f"{self.path} has atlas format {self.manifest.get('format_version')}, this kvmem reads "
-                             f"formats {', '.join(map(str, READABLE_VERSIONS))}; rescan it with this kvmem version "
-                             f"(kvmem scan with the settings in its manifest.json)")
+        self.manifest: Manifest = Manifest.read(manifest)
         self._files: dict[str, pq.ParquetFile] = {}
         self._groups: dict[str, list[tuple[int, int, int]]] = {}
         self._cache: dict[str, pd.DataFrame] = {}
@@ -109,35 +102,35 @@ class Atlas:
     # ---- provenance ----
     @property
     def layers(self) -> list[int]:
-        return list(self.manifest["layers"])
+        return list(self.manifest.layers)
 
     @property
     def d_ff(self) -> int:
-        return int(self.manifest["model"]["d_ff"])
+        return int(self.manifest.model["d_ff"])
 
     @property
     def conventions(self) -> list[str]:
-        return list(self.manifest["scan"]["conventions"])
+        return list(self.manifest.scan["conventions"])
 
     @property
     def default_convention(self) -> str:
         """The default the atlas records (format 2); for older atlases :data:`kvmem.conventions.DEFAULT_CONVENTION`
         if the atlas holds it, else its first convention."""
-        recorded = self.manifest.get("projection", {}).get("default_convention")
+        recorded = self.manifest.projection.get("default_convention")
         if recorded is not None:
             return recorded
         return DEFAULT_CONVENTION if DEFAULT_CONVENTION in self.conventions else self.conventions[0]
 
     def provenance(self, convention: str | None = None) -> dict:
         m = self.manifest
-        return {"model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"], "corpus": m["corpus"]["spec"],
-                "tokens": m["tokens"], "convention": convention or self.default_convention,
-                "kvmem_version": m["kvmem_version"], "atlas": str(self.path)}
+        return {"model": m.model["name"], "fingerprint": m.model["fingerprint"], "corpus": m.corpus["spec"],
+                "tokens": m.tokens, "convention": convention or self.default_convention,
+                "kvmem_version": m.kvmem_version, "atlas": str(self.path)}
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (f"Atlas({str(self.path)!r}: {m['model']['name']}, layers {self.layers[0]}..{self.layers[-1]} "
-                f"× {self.d_ff} slots, corpus {m['corpus']['spec']!r}, {m['tokens']:,} tokens, top_k {m['scan']['top_k']})")
+        return (f"Atlas({str(self.path)!r}: {m.model['name']}, layers {self.layers[0]}..{self.layers[-1]} "
+                f"× {self.d_ff} neurons, corpus {m.corpus['spec']!r}, {m.tokens:,} tokens, top_k {m.scan['top_k']})")
 
     # ---- file access ----
     def _file(self, table: str) -> pq.ParquetFile:
@@ -271,7 +264,7 @@ class Atlas:
     def histogram(self, layer: int, neuron: int) -> pd.DataFrame:
         """Coefficient histogram over the fixed bins: columns bin, low, high, count."""
         frame = self._read("histograms", layer, neuron)
-        edges = [float(e) for e in self.manifest["histogram"]["edges"]]
+        edges = [float(e) for e in self.manifest.histogram["edges"]]
         counts = np.asarray(frame.counts.iloc[0]) if len(frame) else np.zeros(len(edges) - 1, np.int64)
         return pd.DataFrame({"bin": np.arange(len(counts)), "low": edges[:-1], "high": edges[1:], "count": counts})
 

@@ -113,17 +113,17 @@ def _list(value) -> list:
 
 def check_model(atlas, model) -> None:
     """Refuse a model other than the scanned one (weights fingerprint in the manifest)."""
-    expected = atlas.manifest["model"]["fingerprint"]
+    expected = atlas.manifest.model["fingerprint"]
     if model.fingerprint != expected:
         raise KvmemError(f"model {model.name} (fingerprint {model.fingerprint}) is not the scanned model "
-                         f"{atlas.manifest['model']['name']} ({expected}); pass the model the atlas was scanned with")
+                         f"{atlas.manifest.model['name']} ({expected}); pass the model the atlas was scanned with")
 
 
 def load_scanned_model(atlas, *, device=None):
     """The scanned model, loaded by the name in the manifest (a built-in name, local directory or hub id)."""
     from kvmem.models import load_model
 
-    meta = atlas.manifest["model"]
+    meta = atlas.manifest.model
     model = load_model(meta["name"], device=device, dtype=meta.get("dtype"), revision=meta.get("revision"))
     check_model(atlas, model)
     return model
@@ -133,7 +133,7 @@ def scanned_corpus(atlas, corpus=None):
     """The scanned corpus as a :class:`~kvmem.corpus.Corpus` (``corpus`` given, or reopened from the manifest)."""
     from kvmem.corpus import open_corpus
 
-    meta = atlas.manifest["corpus"]
+    meta = atlas.manifest.corpus
     unit, text_field = meta.get("unit", "document"), meta.get("text_field", "text")
     if corpus is not None:
         return open_corpus(corpus, unit=unit, text_field=text_field)
@@ -152,13 +152,13 @@ def context_coefficients(atlas, model, requests: Sequence[ContextRequest], *, co
     """
     import torch
 
-    from kvmem.plan import StreamPosition, TokenPlan, iterate_batches, window_key
+    from kvmem.plan import StreamPosition, iterate_batches, window_key
     from kvmem.scanning.capture import capture_coefficients
 
     if not requests:
         return []
     check_model(atlas, model)
-    plan = replace(TokenPlan.from_dict(atlas.manifest["tokenization"]), shard=(0, 1))
+    plan = replace(atlas.manifest.plan, shard=(0, 1))
     by_window: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
         first = plan.window_start(r.start)

@@ -22,13 +22,12 @@ if TYPE_CHECKING:
     import pandas as pd
     from torch import Tensor
 
-    from kvmem.models import FinalNorm, Model
+    from kvmem.models import Model
 
 __all__ = [
     "LAYER_COLUMNS",
     "SUB_UPDATE_COLUMNS",
     "Trace",
-    "apply_final_norm",
     "plot_prediction_formation",
     "project",
     "trace",
@@ -139,14 +138,9 @@ def _resolve_position(position: int, n_tokens: int) -> int:
     return position % n_tokens
 
 
-def apply_final_norm(norm: FinalNorm, x: Tensor) -> Tensor:
-    """The full final norm (scale, gain, bias) as the model applies it: x [..., d_model] -> [..., d_model]."""
-    return norm.apply(x)
-
-
 def _lens(model: Model, resid: Tensor) -> Tensor:
     """Logit lens: resid [layer, d_model] -> logits [layer, vocab] (full final norm, W_U, b_U)."""
-    logits = apply_final_norm(model.final_norm(), resid) @ model.unembedding().float()
+    logits = model.final_norm().apply(resid) @ model.unembedding().float()
     bias = model.unembedding_bias()
     return logits if bias is None else logits + bias.float()
 

@@ -82,23 +82,28 @@ def context_free(gpt2_dir, tmp_path_factory):
 
 def _fake_atlas(path: Path, triggers: pd.DataFrame, values: pd.DataFrame, *, d_ff: int, vocab_size: int,
                 top_k: int, gated: bool = False) -> Path:
-    """A minimal atlas directory (manifest + triggers + values) with hand-written rows."""
+    """A minimal atlas directory (manifest + triggers + values) with hand-written rows: only the columns
+    the experiments read, so the tables are written directly, not through the scan's schema-checked writer."""
     import pyarrow as pa
 
-    from kvmem.scanning.writer import write_tables
+    from kvmem.manifest import Manifest
+    from kvmem.scanning.parquet import write_parquet
     from kvmem.schema import FORMAT_VERSION
 
-    manifest = {
-        "format_version": FORMAT_VERSION, "kvmem_version": kvmem.__version__,
-        "model": {"name": "hand-built", "fingerprint": "sha256:none", "d_ff": d_ff, "vocab_size": vocab_size,
-                  "gated": gated},
-        "corpus": {"spec": "list[0]", "unit": "document"}, "tokens": 0, "layers": sorted(values.layer.unique().tolist()),
-        "tokenization": {"window": 8, "prepend_bos": False, "bos_token_id": None, "rule": "-"},
-        "scan": {"top_k": top_k, "per_document": False, "conventions": ["final_norm"]},
-    }
-    tables = {"triggers": pa.Table.from_pandas(triggers, preserve_index=False),
-              "values": pa.Table.from_pandas(values, preserve_index=False)}
-    write_tables(path, tables, manifest, overwrite=True)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, kvmem_version=kvmem.__version__,
+        model={"name": "hand-built", "fingerprint": "sha256:none", "d_ff": d_ff, "vocab_size": vocab_size,
+               "gated": gated},
+        corpus={"spec": "list[0]", "unit": "document"}, tokens=0, layers=sorted(values.layer.unique().tolist()),
+        tokenization={"window": 8, "prepend_bos": False, "bos_token_id": None, "rule": "-"},
+        scan={"top_k": top_k, "per_document": False, "conventions": ["final_norm"]},
+        histogram={}, projection={"conventions": {"final_norm": "-"}, "default_convention": "final_norm"},
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    for name, frame in (("triggers", triggers), ("values", values)):  # row groups per (layer, neuron block)
+        frame = frame.sort_values(["layer", "neuron"], kind="stable")
+        write_parquet(path / f"{name}.parquet", pa.Table.from_pandas(frame, preserve_index=False))
+    manifest.write(path / "manifest.json")
     return path
 
 

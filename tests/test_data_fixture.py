@@ -40,7 +40,7 @@ def test_fixture_reads_as_corpus():
 def test_fixture_scans(gpt2_model, tmp_path):
     atlas = kvmem.scan(gpt2_model, FIXTURE, out=tmp_path / "a", max_tokens=400, top_k=3, window=32, top_n=3,
                        context_activations=False, progress=False)
-    assert atlas.manifest["tokens"] == 400 and atlas.manifest["corpus"]["spec"].endswith("pydoc-sample.jsonl")
+    assert atlas.manifest.tokens == 400 and atlas.manifest.corpus["spec"].endswith("pydoc-sample.jsonl")
 
 
 @pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7), reason="the fixture was cut from CPython 3.11.7's pydoc topics")

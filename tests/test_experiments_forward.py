@@ -25,7 +25,7 @@ from kvmem import experiments as E
 from kvmem.cli import main
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import FingerprintWarning
-from kvmem.experiments.forward import corpus_windows, read_positions, sample_positions
+from kvmem.experiments.forward import corpus_windows, read_positions, sample_positions, scan_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVENANCE_KEYS = {"experiment", "model", "fingerprint", "settings", "kvmem_version"}
@@ -56,9 +56,10 @@ def test_a_slot_that_is_always_on_is_the_only_active_one(always_on, corpus_file)
 
 def test_sampled_positions_follow_the_tokenization_rule(gpt2_model, corpus_file):
     corpus = kvmem.corpus.open_corpus(corpus_file, unit="paragraph")
-    windows = corpus_windows(gpt2_model, corpus, window=16, max_tokens=300)
+    plan = scan_plan(gpt2_model, window=16, max_tokens=300)
+    windows = corpus_windows(gpt2_model, corpus, plan)
     assert sum(len(w.tokens) for w in windows) == 300 and all(len(w.tokens) <= 16 for w in windows)
-    sampled = sample_positions(gpt2_model, corpus, positions=50, seed=3, window=16, max_tokens=300)
+    sampled = sample_positions(gpt2_model, corpus, positions=50, seed=3, plan=plan)
     assert len(sampled.doc) == 50 and len(set(zip(sampled.doc, sampled.pos))) == 50
     tokens = {d.index: gpt2_model.encode(d.text) for d in corpus}
     bos = gpt2_model.bos_token_id
@@ -68,8 +69,20 @@ def test_sampled_positions_follow_the_tokenization_rule(gpt2_model, corpus_file)
         for at in reads:  # the read token is the sampled document token
             assert sequence[at] == tokens[int(sampled.doc[read])][int(sampled.pos[read])]
             read += 1
-    again = sample_positions(gpt2_model, corpus, positions=50, seed=3, window=16, max_tokens=300)
+    again = sample_positions(gpt2_model, corpus, positions=50, seed=3, plan=plan)
     assert again.pos.tolist() == sampled.pos.tolist()
+
+
+def test_experiments_on_a_shard_atlas_read_only_its_positions(gpt2_model, corpus_file, tmp_path):
+    """A shard atlas's plan keeps its shard: sampled positions all lie in blocks the shard scanned."""
+    shard = kvmem.scan(gpt2_model, str(corpus_file), unit="paragraph", out=tmp_path / "s1", shard=(1, 2),
+                       block_documents=1, window=16, top_k=2, top_n=2, progress=False)
+    plan = scan_plan(gpt2_model, atlas=shard)
+    assert plan.shard == (1, 2) and plan.window == 16
+    corpus = kvmem.corpus.open_corpus(corpus_file, unit="paragraph")
+    sampled = sample_positions(gpt2_model, corpus, positions=40, seed=0, plan=plan)
+    assert len(sampled.doc) == 40 and all(doc % 2 == 1 for doc in sampled.doc.tolist())
+    assert sampled.corpus_tokens == shard.manifest.tokens
 
 
 def test_read_positions_leaves_no_hooks_also_after_an_exception(gpt2_model):
@@ -139,8 +152,8 @@ def test_layer_vs_memories_reads_value_tops_from_the_atlas(atlas, gpt2_model):
     with_atlas = E.layer_vs_memories(gpt2_model, atlas=atlas, positions=25)
     assert with_atlas.attrs["settings"]["value_tops_from"] == "atlas values table"
     assert with_atlas.attrs["settings"]["window"] == 32
-    without = E.layer_vs_memories(gpt2_model, atlas.manifest["corpus"]["spec"], positions=25, window=32,
-                                  max_tokens=atlas.manifest["tokens"], unit="paragraph")
+    without = E.layer_vs_memories(gpt2_model, atlas.manifest.corpus["spec"], positions=25, window=32,
+                                  max_tokens=atlas.manifest.tokens, unit="paragraph")
     cols = ["ffn_matches_active", "ffn_matches_top10", "after_is_final", "before_is_final"]
     pd.testing.assert_frame_equal(with_atlas[cols], without[cols])
 

@@ -6,6 +6,7 @@ import base64
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -112,11 +113,11 @@ def test_text_helpers():
 def test_default_convention_is_the_registry_default_else_what_the_atlas_has(atlas):
     assert atlas.default_convention == DEFAULT_CONVENTION and atlas.provenance()["convention"] == DEFAULT_CONVENTION
     raw_only = Atlas(atlas.path)
-    raw_only.manifest = {**atlas.manifest, "scan": {**atlas.manifest["scan"], "conventions": ["raw"]},
-                         "projection": {**atlas.manifest["projection"], "default_convention": "raw"}}
+    raw_only.manifest = replace(atlas.manifest, scan={**atlas.manifest.scan, "conventions": ["raw"]},
+                                projection={**atlas.manifest.projection, "default_convention": "raw"})
     assert raw_only.default_convention == "raw" == raw_only.provenance()["convention"]
     older = Atlas(atlas.path)  # format 1 recorded no default: the registry's if held, else the first one
-    older.manifest = {**raw_only.manifest, "projection": {}}
+    older.manifest = replace(raw_only.manifest, projection={})
     assert older.default_convention == "raw"
 
 
@@ -129,11 +130,11 @@ def test_json_schema_matches_atlas(atlas, best, tmp_path):
     assert set(data) == {"schema", "layer", "neuron", "provenance", "stats", "histogram", "triggers", "values", "keys",
                          "agreement", "quantiles"}
     p = data["provenance"]
-    assert p["fingerprint"] == atlas.manifest["model"]["fingerprint"] and p["tokens"] == atlas.manifest["tokens"]
+    assert p["fingerprint"] == atlas.manifest.model["fingerprint"] and p["tokens"] == atlas.manifest.tokens
     assert list(p["conventions"]) == atlas.conventions and p["convention"] == atlas.default_convention == DEFAULT_CONVENTION
     row = atlas.neurons[(atlas.neurons.layer == layer) & (atlas.neurons.neuron == neuron)].iloc[0]
     assert data["stats"]["max"] == pytest.approx(row["max"], rel=1e-6) and data["stats"]["gate_norm"] is None
-    assert sum(data["histogram"]["counts"]) == data["stats"]["count"] == atlas.manifest["tokens"]
+    assert sum(data["histogram"]["counts"]) == data["stats"]["count"] == atlas.manifest.tokens
     assert len(data["histogram"]["edges"]) == len(data["histogram"]["counts"]) + 1
     assert data["histogram"]["edges"][0] is None and data["histogram"]["edges"][-1] is None
     assert list(data["triggers"]) == ["top", "bottom", "top_doc", "bottom_doc"]
@@ -182,8 +183,8 @@ def test_html_is_self_contained_and_escaped(atlas, best, tmp_path):
         assert "http://" not in text.replace("http://x.invalid", "") and "https://" not in text
         assert sum(tag == "img" for tag, _ in parsed.tags) == 2 + len(atlas.conventions)
         shown = "".join(parsed.text)
-        for needle in (atlas.manifest["model"]["fingerprint"], "final_norm", "raw", f"L{layer}/{neuron}",
-                       f"{atlas.manifest['tokens']:,}", atlas.manifest["kvmem_version"], "Key projection",
+        for needle in (atlas.manifest.model["fingerprint"], "final_norm", "raw", f"L{layer}/{neuron}",
+                       f"{atlas.manifest.tokens:,}", atlas.manifest.kvmem_version, "Key projection",
                        "Does the value promote"):
             assert needle in shown
         for trigger in atlas.triggers(layer, neuron).itertuples():

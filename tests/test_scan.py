@@ -92,7 +92,7 @@ def test_statistics_equal_numpy(gpt2_model, gpt2_atlas):
     neurons = gpt2_atlas.neurons
     for layer, m in acts.items():
         frame = neurons[neurons.layer == layer].sort_values("neuron")
-        assert (frame["count"] == len(rows)).all() and gpt2_atlas.manifest["tokens"] == len(rows)
+        assert (frame["count"] == len(rows)).all() and gpt2_atlas.manifest.tokens == len(rows)
         m64 = m.astype(np.float64)
         np.testing.assert_allclose(frame["mean"], m64.mean(0), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(frame["std"], m64.std(0), rtol=1e-4, atol=1e-6)
@@ -155,10 +155,10 @@ def test_byte_identical_and_round_trip(gpt2_model, gpt2_atlas, tmp_path):
     reopened = kvmem.open(gpt2_atlas.path)
     assert reopened.neurons.equals(gpt2_atlas.neurons)
     manifest = reopened.manifest
-    assert manifest["model"]["fingerprint"] == gpt2_model.fingerprint and manifest["kvmem_version"] == kvmem.__version__
-    assert manifest["tokenization"]["window"] == WINDOW and manifest["scan"]["top_k"] == K
-    assert set(manifest["projection"]["conventions"]) == {"raw", "final_norm"}
-    assert len(manifest["corpus"]["sha256_chain"]) == 64 and manifest["corpus"]["documents"] == len(SHORT_DOCS)
+    assert manifest.model["fingerprint"] == gpt2_model.fingerprint and manifest.kvmem_version == kvmem.__version__
+    assert manifest.tokenization["window"] == WINDOW and manifest.scan["top_k"] == K
+    assert set(manifest.projection["conventions"]) == {"raw", "final_norm"}
+    assert len(manifest.corpus["sha256_chain"]) == 64 and manifest.corpus["documents"] == len(SHORT_DOCS)
 
 
 def test_queries(gpt2_model, gpt2_atlas):
@@ -197,10 +197,10 @@ def assert_same_atlas(a, b):
 def test_shards_merge_to_single_scan(gpt2_model, tmp_path):
     whole = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "whole", **SHARDABLE)
     shards = [kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / f"s{i}", shard=(i, 3), **SHARDABLE) for i in range(3)]
-    assert sum(s.manifest["tokens"] for s in shards) == whole.manifest["tokens"]
+    assert sum(s.manifest.tokens for s in shards) == whole.manifest.tokens
     merged = kvmem.merge(list(reversed(shards)), out=tmp_path / "merged", model=gpt2_model)
     assert_same_atlas(whole, merged)
-    assert merged.manifest["corpus"]["sha256_chain"] == whole.manifest["corpus"]["sha256_chain"]
+    assert merged.manifest.corpus["sha256_chain"] == whole.manifest.corpus["sha256_chain"]
     with pytest.raises(kvmem.KvmemError, match=r"shard\(s\) 0/3 given twice"):
         kvmem.merge([shards[0], shards[0], shards[1]], out=tmp_path / "twice", model=gpt2_model)
     with pytest.raises(kvmem.KvmemError, match=r"incomplete set of shards: missing 2/3"):
@@ -278,7 +278,7 @@ kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r
         runner._run_batch = real
     whole = kvmem.scan(gpt2_model, str(corpus), out=tmp_path / "whole", progress=False, **settings)
     # the resumed run computed exactly the batches the checkpoint lacked, none of the finished blocks
-    assert done >= 6 and len(computed) + done == whole.manifest["timing"]["batches"]
+    assert done >= 6 and len(computed) + done == whole.manifest.timing["batches"]
     assert min(batch.block for batch in computed) >= blocks_done
     assert_same_atlas(whole, resumed)
     assert not (tmp_path / "resumed.checkpoint").exists()
@@ -325,13 +325,13 @@ def test_torchrun_two_processes_equal_one(gpt2_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     one, two = kvmem.open(tmp_path / "one"), kvmem.open(tmp_path / "two")
     assert_same_atlas(one, two)
-    assert two.manifest["timing"]["world_size"] == 2 and one.manifest["timing"]["world_size"] == 1
+    assert two.manifest.timing["world_size"] == 2 and one.manifest.timing["world_size"] == 1
 
 
 def test_max_tokens_and_layers(gpt2_model, tmp_path):
     atlas = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "a", max_tokens=100, layers=[1], top_k=2, window=32,
                        top_n=2, progress=False)
-    assert atlas.manifest["tokens"] == 100 and atlas.layers == [1]
+    assert atlas.manifest.tokens == 100 and atlas.layers == [1]
     assert set(atlas.neurons.layer) == {1} and (atlas.neurons["count"] == 100).all()
 
 
@@ -419,7 +419,7 @@ def test_samples_equal_brute_force(gpt2_model, gpt2_atlas):
     rows, acts = brute_force(gpt2_model, SHORT_DOCS)
     codes = torch.tensor([int(pack(d, p)) for d, p in rows])
     keys = position_keys(codes, 0).numpy()
-    config = gpt2_atlas.manifest["scan"]
+    config = gpt2_atlas.manifest.scan
     by_key = np.argsort(keys, kind="stable")
     for layer, m in acts.items():
         for neuron in (0, 17, gpt2_model.d_ff - 1):

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         from kvmem.models import load_model
 
-        model = load_model(args.model, device=args.device, dtype=atlas.manifest["model"].get("dtype"))
+        model = load_model(args.model, device=args.device, dtype=atlas.manifest.model.get("dtype"))
     out = export_atlas(atlas, format=args.format, out=args.out, layers=args.layers, neurons=args.neurons, model=model,
                        corpus=args.corpus, overwrite=args.overwrite, progress=not args.no_progress,
                        quantiles=not args.no_quantiles, per_band=args.per_band)

@@ -35,10 +35,10 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "info":
         m = atlas.manifest
         print(atlas)
-        print(f"model: {m['model']['name']} ({m['model']['fingerprint']}), {m['model']['activation']}, "
-              f"{'gated' if m['model']['gated'] else 'plain'} FFN")
-        print(f"corpus: {m['corpus']['spec']} ({m['corpus']['documents']:,} documents), window {m['tokenization']['window']}")
-        print(f"conventions: {', '.join(m['projection']['conventions'])}; kvmem {m['kvmem_version']}")
+        print(f"model: {m.model['name']} ({m.model['fingerprint']}), {m.model['activation']}, "
+              f"{'gated' if m.model['gated'] else 'plain'} FFN")
+        print(f"corpus: {m.corpus['spec']} ({m.corpus['documents']:,} documents), window {m.tokenization['window']}")
+        print(f"conventions: {', '.join(m.projection['conventions'])}; kvmem {m.kvmem_version}")
         summary = atlas.neurons.groupby("layer").agg(mean=("mean", "mean"), max=("max", "max"),
                                                       active=("frac_positive", "mean"), value_norm=("value_norm", "mean"))
         print_table(summary.reset_index(), floats={"active": "{:.1%}"})

@@ -92,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def closing_line(manifest: dict) -> str:
-    """'scanned 20,000 tokens in 61.2 s wall (stream 52.1 s, texts 0.4 s, ...); wrote atlas'."""
-    timing = manifest["timing"]
+def closing_line(manifest) -> str:
+    """'scanned 20,000 tokens in 61.2 s wall (stream 52.1 s, texts 0.4 s, ...)' from a :class:`kvmem.manifest.Manifest`."""
+    timing = manifest.timing
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timing["phases"].items())
     cached = " (projections from the model's cache)" if timing.get("projections_cached") else ""
-    return (f"scanned {manifest['tokens']:,} tokens in {timing['total_seconds']:.1f} s wall "
+    return (f"scanned {manifest.tokens:,} tokens in {timing['total_seconds']:.1f} s wall "
             f"({phases}){cached}")

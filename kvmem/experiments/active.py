@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import as_atlas, atlas_corpus, check_fingerprint, check_positive, check_seed, provenance
-from kvmem.experiments.forward import Sampled, read_positions, sample_positions
+from kvmem.experiments.forward import Sampled, read_positions, sample_positions, scan_plan
 from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:
@@ -83,19 +83,16 @@ def sample_for(model: Model, corpus: Any, atlas: Atlas | None, *, positions: int
     check_positive("max_tokens", max_tokens, allow_none=True)
     if atlas is not None:
         corpus = atlas_corpus(atlas, corpus)
-        tokenization = atlas.manifest["tokenization"]
-        window = window or int(tokenization["window"])
-        prepend_bos = bool(tokenization.get("prepend_bos", True)) if prepend_bos is None else prepend_bos
-        max_tokens = max_tokens or int(atlas.manifest["tokens"])
     elif corpus is None:
         raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
     else:
         corpus = open_corpus(corpus, unit=unit)
-    prepend_bos = True if prepend_bos is None else prepend_bos
-    sampled = sample_positions(model, corpus, positions=positions, seed=seed, window=window, prepend_bos=prepend_bos,
-                               max_tokens=max_tokens)
-    settings = {"positions": len(sampled.doc), "requested_positions": positions, "seed": seed, "window": window,
-                "prepend_bos": prepend_bos, "max_tokens": max_tokens, "sampled_from_tokens": sampled.corpus_tokens}
+    # the atlas's own plan (its shard only), or the scan's for these settings
+    plan = scan_plan(model, atlas=atlas, window=window, prepend_bos=prepend_bos, max_tokens=max_tokens)
+    sampled = sample_positions(model, corpus, positions=positions, seed=seed, plan=plan)
+    settings = {"positions": len(sampled.doc), "requested_positions": positions, "seed": seed, "window": plan.window,
+                "prepend_bos": plan.bos_token_id is not None, "max_tokens": plan.max_tokens,
+                "shard": list(plan.shard), "sampled_from_tokens": sampled.corpus_tokens}
     return sampled, corpus, settings
 
 

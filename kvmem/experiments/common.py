@@ -151,11 +151,11 @@ def atlas_layers(atlas: Atlas, layers: Any = None) -> list[int]:
 
 def check_fingerprint(atlas: Atlas, model: Model) -> bool:
     """True when ``model`` has the weights the atlas was scanned with; warns (FingerprintWarning) when not."""
-    expected = atlas.manifest["model"]["fingerprint"]
+    expected = atlas.manifest.model["fingerprint"]
     if model.fingerprint == expected:
         return True
     warnings.warn(f"model {model.name!r} has fingerprint {model.fingerprint}, but atlas {atlas.path} was scanned with "
-                  f"{atlas.manifest['model']['name']!r} ({expected}): the numbers mix two models' weights",
+                  f"{atlas.manifest.model['name']!r} ({expected}): the numbers mix two models' weights",
                   FingerprintWarning, stacklevel=3)
     return False
 
@@ -170,8 +170,8 @@ def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.Pa
 
     atlas = as_atlas(atlas)
     if not isinstance(model, Model):
-        name = model if model is not None else atlas.manifest["model"]["name"]
-        dtype = atlas.manifest["model"].get("dtype") if model is None else None
+        name = model if model is not None else atlas.manifest.model["name"]
+        dtype = atlas.manifest.model.get("dtype") if model is None else None
         model = load_model(name, device=device, dtype=dtype)
     check_fingerprint(atlas, model)
     return model
@@ -184,7 +184,7 @@ def atlas_corpus(atlas: Atlas, corpus: Any = None) -> Corpus:
     """
     from kvmem.corpus import open_corpus
 
-    described = atlas.manifest["corpus"]
+    described = atlas.manifest.corpus
     unit = described.get("unit", "document")
     text_field = described.get("text_field", "text")
     if corpus is not None:
@@ -207,15 +207,15 @@ def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | No
                    gated=model.gated, vocab_size=model.vocab_size)
     if atlas is not None:
         m = atlas.manifest
-        out.setdefault("model", m["model"]["name"])
-        out.setdefault("fingerprint", m["model"]["fingerprint"])
-        out.setdefault("gated", m["model"].get("gated"))
-        out.setdefault("vocab_size", m["model"].get("vocab_size"))
-        out.update(atlas=str(atlas.path), atlas_fingerprint=m["model"]["fingerprint"], corpus=m["corpus"]["spec"],
-                   corpus_unit=m["corpus"].get("unit"), atlas_tokens=m["tokens"], tokenization={
-                       k: v for k, v in m["tokenization"].items() if k != "rule"}, atlas_top_k=m["scan"]["top_k"])
+        out.setdefault("model", m.model["name"])
+        out.setdefault("fingerprint", m.model["fingerprint"])
+        out.setdefault("gated", m.model.get("gated"))
+        out.setdefault("vocab_size", m.model.get("vocab_size"))
+        out.update(atlas=str(atlas.path), atlas_fingerprint=m.model["fingerprint"], corpus=m.corpus["spec"],
+                   corpus_unit=m.corpus.get("unit"), atlas_tokens=m.tokens, tokenization={
+                       k: v for k, v in m.tokenization.items() if k != "rule"}, atlas_top_k=m.scan["top_k"])
         if model is not None:
-            out["fingerprint_match"] = model.fingerprint == m["model"]["fingerprint"]
+            out["fingerprint_match"] = model.fingerprint == m.model["fingerprint"]
     elif corpus is not None:
         out["corpus"] = corpus.spec if hasattr(corpus, "spec") else str(corpus)
         out["corpus_unit"] = getattr(corpus, "unit", None)

@@ -111,7 +111,6 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     """
     import torch
 
-    from kvmem.tracing import apply_final_norm
 
     check_convention(convention)
     check_positive("top_memories", top_memories)
@@ -123,15 +122,15 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
         model.hook_name(layer)  # checks the range
     last = model.n_layers - 1
     hook_dict = model.bridge.hook_dict
-    has_mid = all(f"blocks.{layer}.hook_resid_mid" in hook_dict for layer in chosen)
+    has_mid = all(model.hook_name(layer, "resid_mid") in hook_dict for layer in chosen)
     names: dict[tuple[int, str], str] = {}
     for layer in chosen:
         names[(layer, "m")] = model.hook_name(layer, "post")
         names[(layer, "out")] = model.hook_name(layer, "out")
-        names[(layer, "post")] = f"blocks.{layer}.hook_resid_post"
+        names[(layer, "post")] = model.hook_name(layer, "resid_post")
         if has_mid:
-            names[(layer, "mid")] = f"blocks.{layer}.hook_resid_mid"
-    names[(last, "post")] = f"blocks.{last}.hook_resid_post"
+            names[(layer, "mid")] = model.hook_name(layer, "resid_mid")
+    names[(last, "post")] = model.hook_name(last, "resid_post")
     sampled, corpus, settings = sample_for(model, corpus, atlas, positions=positions, seed=seed, window=window,
                                            prepend_bos=prepend_bos, max_tokens=max_tokens, unit=unit)
 
@@ -140,7 +139,7 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     bias = model.unembedding_bias()
 
     def lens_top(x: Tensor) -> Tensor:  # x [n, d_model] -> [n] top token of the real logit computation
-        logits = apply_final_norm(norm, x) @ unembedding
+        logits = norm.apply(x) @ unembedding
         return (logits if bias is None else logits + bias.float()).argmax(dim=1)
 
     tops = {layer: tuple(torch.from_numpy(np.asarray(t)) for t in value_top_tokens(model, layer, convention, atlas=atlas))

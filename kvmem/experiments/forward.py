@@ -3,34 +3,32 @@
 Sequences are sorted by length and right-padded (causal attention: padding after a position never
 changes it) into batches of at most ``batch_tokens`` padded tokens. Hooks gather only the requested
 positions, so per batch at most reads × d_ff numbers are kept, and the forward stops as soon as
-every requested hook has fired (no logits are computed). Hooks live only inside
-``model.bridge.hooks`` and are removed when it exits, also after an exception.
+every requested hook has fired (no logits are computed): each batch is one :func:`kvmem.capture.capture`.
 
-Also here: the tokenization rule of :mod:`kvmem.corpus` as a list of windows, and uniform sampling
-of corpus positions from it.
+Also here: the windows a tokenization plan (:mod:`kvmem.plan`, the scan's own) reads, and uniform
+sampling of corpus positions from them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvmem.capture import capture
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from kvmem.corpus import Corpus, Window
+    from kvmem.atlas import Atlas
+    from kvmem.corpus import Corpus
     from kvmem.models import Model
+    from kvmem.plan import TokenPlan, WindowText
 
-__all__ = ["Sampled", "corpus_windows", "read_positions", "sample_positions", "tokenization_settings"]
-
-
-class _Stop(Exception):
-    """Raised once every requested hook has fired: the rest of the forward is skipped."""
+__all__ = ["Sampled", "corpus_windows", "read_positions", "sample_positions", "scan_plan"]
 
 
 def read_positions(model: Model, sequences: Sequence[Sequence[int]], reads: Sequence[Sequence[int]],
@@ -40,14 +38,10 @@ def read_positions(model: Model, sequences: Sequence[Sequence[int]], reads: Sequ
 
     ``on_batch(read_index [n], {hook: [n, d]})`` is called once per batch; read_index numbers the
     reads in the flattened order of ``reads`` (sequence by sequence). Tensors are float32 on the CPU.
+    Each batch is one :func:`kvmem.capture.capture` (position gather, early stop).
     """
     import torch
 
-    hook_dict = model.bridge.hook_dict
-    missing = [name for name in hook_names if name not in hook_dict]
-    if missing:
-        raise KvmemError(f"this model's bridge has no hook {missing[0]}; available sites are {model.hook_name(0, 'post')}, "
-                         f"... (see model.bridge.hook_dict)")
     counts = np.array([len(r) for r in reads], np.int64)
     first_read = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     for s, (sequence, positions) in enumerate(zip(sequences, reads)):
@@ -69,55 +63,43 @@ def read_positions(model: Model, sequences: Sequence[Sequence[int]], reads: Sequ
             rows += [row] * int(counts[s])
             cols += list(reads[s])
             index += range(first_read[s], first_read[s] + counts[s])
-        row_t, col_t = torch.tensor(rows), torch.tensor(cols)
-        captured: dict[str, Tensor] = {}
-
-        def make_hook(name: str, captured: dict[str, Tensor], row_t: Tensor, col_t: Tensor):
-            def hook(tensor: Tensor, hook) -> Tensor:  # tensor [batch, pos, d]; TransformerLens passes the hook too
-                captured[name] = tensor[row_t.to(tensor.device), col_t.to(tensor.device)].detach().float().cpu()  # [n, d]
-                if len(captured) == len(hook_names):
-                    raise _Stop
-                return tensor
-
-            return hook
-
-        hooks = [(name, make_hook(name, captured, row_t, col_t)) for name in hook_names]
-        with torch.inference_mode(), model.bridge.hooks(fwd_hooks=hooks):
-            try:
-                model.bridge(ids.to(model.device), return_type=None)
-            except _Stop:
-                pass
-        if len(captured) != len(hook_names):
-            lost = sorted(set(hook_names) - set(captured))
-            raise KvmemError(f"hook(s) {lost} never fired in the forward pass; this bridge does not run them")
+        captured = capture(model, ids, hook_names, positions=(torch.tensor(rows), torch.tensor(cols)))
         on_batch(np.asarray(index, np.int64), captured)
 
 
-def tokenization_settings(model: Model, *, window: int | None, prepend_bos: bool) -> tuple[int, int | None]:
-    """(window, bos id or None) as :func:`kvmem.scan` resolves them (window None: min(context, 256))."""
-    if prepend_bos and model.bos_token_id is None:
-        raise KvmemError(f"the tokenizer of {model.name} has no BOS token; pass prepend_bos=False")
-    limit = (model.n_ctx or 256) - (1 if prepend_bos else 0)
-    window = window or min(256, limit)
-    if window < 1 or window > limit:
-        raise KvmemError(f"window must lie in 1..{limit} for this model, got {window}")
-    return window, (model.bos_token_id if prepend_bos else None)
+def scan_plan(model: Model, *, atlas: Atlas | None = None, window: int | None = None,
+              prepend_bos: bool | None = None, max_tokens: int | None = None) -> TokenPlan:
+    """The tokenization plan to read: an atlas's own (a shard atlas's shard included, so only positions
+    it scanned are read), or the one :func:`kvmem.scan` uses with these settings. Settings given
+    here override the atlas's."""
+    from kvmem.scanning.config import ScanConfig
+    from kvmem.scanning.runner import token_plan
+
+    if atlas is None:
+        config = ScanConfig(window=window, prepend_bos=True if prepend_bos is None else prepend_bos,
+                            max_tokens=max_tokens)
+        return token_plan(model, config)
+    plan = atlas.manifest.plan  # format 1 manifests are upgraded when read (kvmem.manifest)
+    changes: dict = {"shard": atlas.manifest.shard}
+    if window is not None:
+        changes["window"] = window
+    if max_tokens is not None:
+        changes["max_tokens"] = max_tokens
+    if prepend_bos is not None:
+        if prepend_bos and model.bos_token_id is None:
+            raise KvmemError(f"the tokenizer of {model.name} has no BOS token; pass prepend_bos=False")
+        changes["bos_token_id"] = model.bos_token_id if prepend_bos else None
+    return replace(plan, **changes)
 
 
-def corpus_windows(model: Model, corpus: Corpus, *, window: int, max_tokens: int | None) -> list[Window]:
-    """The windows :func:`kvmem.scan` reads, in order, cut after ``max_tokens`` tokens (None: whole corpus)."""
-    from kvmem.corpus import Window, windows
+def corpus_windows(model: Model, corpus: Corpus, plan: TokenPlan) -> list[WindowText]:
+    """The windows a scan under ``plan`` reads (its shard's only), in order."""
+    from kvmem.plan import StreamPosition, iterate_batches
 
-    out, total = [], 0
-    for item in windows(corpus, model.encode, window):
-        if max_tokens is not None and total + len(item.tokens) > max_tokens:
-            if max_tokens - total > 0:
-                out.append(Window(item.doc, item.start, item.tokens[:max_tokens - total]))
-            break
-        out.append(item)
-        total += len(item.tokens)
+    out = [w for item in iterate_batches(corpus, model.tokenizer, plan, StreamPosition()) if not isinstance(item, int)
+           for w in item.windows]
     if not out:
-        raise KvmemError(f"corpus {corpus.spec!r} gave no tokens; check the corpus")
+        raise KvmemError(f"corpus {corpus.spec!r} gave no tokens under this plan; check the corpus")
     return out
 
 
@@ -136,12 +118,11 @@ class Sampled:
     corpus_tokens: int
 
 
-def sample_positions(model: Model, corpus: Corpus, *, positions: int, seed: int, window: int | None = None,
-                     prepend_bos: bool = True, max_tokens: int | None = None) -> Sampled:
-    """``positions`` distinct token positions drawn uniformly (seeded) from the corpus's first ``max_tokens``
-    tokens, tokenized by the scan's rule; each is read with the prefix of its window the model sees."""
-    window, bos = tokenization_settings(model, window=window, prepend_bos=prepend_bos)
-    items = corpus_windows(model, corpus, window=window, max_tokens=max_tokens)
+def sample_positions(model: Model, corpus: Corpus, *, positions: int, seed: int, plan: TokenPlan) -> Sampled:
+    """``positions`` distinct token positions drawn uniformly (seeded) from the tokens ``plan`` reads
+    (:func:`scan_plan`); each is read with the prefix of its window the model sees."""
+    bos = plan.bos_token_id
+    items = corpus_windows(model, corpus, plan)
     lengths = np.array([len(w.tokens) for w in items], np.int64)
     total = int(lengths.sum())
     chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(positions, total), replace=False))

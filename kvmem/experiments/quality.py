@@ -1,6 +1,6 @@
 """Is the model a working LM on the scanned text? Perplexity and next-token accuracy, per choice of BOS.
 
-The text is cut by the scan's tokenization rule (:func:`~kvmem.experiments.forward.corpus_windows`);
+The text is cut by the scan's tokenization rule (:func:`~kvmem.experiments.forward.corpus_windows` under the scan's plan);
 each window is read as ``[bos] + window`` (or the window alone with ``bos="none"``), and every
 window token after its first is predicted from the tokens before it. The targets are therefore the
 same for every BOS choice, so the rows of one call compare like with like. Logits are the model's
@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import as_atlas, atlas_corpus, check_fingerprint, check_positive, provenance
-from kvmem.experiments.forward import corpus_windows
+from kvmem.experiments.forward import corpus_windows, scan_plan
 from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:
@@ -117,17 +117,15 @@ def lm_quality(model: Model, corpus: Any = None, *, atlas: Atlas | str | None = 
     match = check_fingerprint(atlas, model) if atlas is not None else None
     if atlas is not None:
         corpus = atlas_corpus(atlas, corpus)
-        window = window or int(atlas.manifest["tokenization"]["window"])
-        max_tokens = max_tokens or int(atlas.manifest["tokens"])
     elif corpus is None:
         raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
     else:
         corpus = open_corpus(corpus, unit=unit)
-    limit = (model.n_ctx or 256) - 1
-    window = window or min(256, limit)
-    if not 1 <= window <= limit:
-        raise KvmemError(f"window must lie in 1..{limit} for this model (one position for a BOS), got {window}")
-    windows = [list(w.tokens) for w in corpus_windows(model, corpus, window=window, max_tokens=max_tokens)]
+    # the scan's windows (BOS varies below, so the plan is asked for with one position kept for it)
+    plan = scan_plan(model, atlas=atlas, window=window, prepend_bos=True if atlas is None else None,
+                     max_tokens=max_tokens)
+    window = plan.window
+    windows = [list(w.tokens) for w in corpus_windows(model, corpus, plan)]
     predictions = np.array([max(len(w) - 1, 0) for w in windows], np.float64)
     if predictions.sum() == 0:
         raise KvmemError("no window has two tokens: nothing to predict; pass more text")

@@ -39,7 +39,7 @@ from kvmem.experiments.common import (
     read_columns,
     trigger_kind,
 )
-from kvmem.experiments.forward import read_positions
+from kvmem.experiments.forward import read_positions, scan_plan
 from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:
@@ -131,10 +131,8 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
     chosen_sides = memory_sides(model.gated, sides)
     match = check_fingerprint(atlas, model)
     corpus = atlas_corpus(atlas, corpus)
-    tokenization = atlas.manifest["tokenization"]
-    window = int(tokenization["window"])
-    bos = tokenization.get("bos_token_id") if tokenization.get("prepend_bos") else None
-    extra = 0 if bos is None else 1
+    plan = scan_plan(model, atlas=atlas)  # the windows and BOS the scan read
+    window, bos, extra = plan.window, plan.bos_token_id, plan.offset
 
     picked = []
     for s, side in enumerate(chosen_sides):

@@ -68,7 +68,7 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
     atlas = as_atlas(atlas)
     model = model_for_atlas(atlas, model)
     if kind is None:
-        kind = "top_doc" if atlas.manifest["scan"].get("per_document") else "top"
+        kind = "top_doc" if atlas.manifest.scan.get("per_document") else "top"
     conventions = conventions_for(convention)
     frames: dict[str, pd.DataFrame] = {}
     seconds: dict[str, float] = {}

@@ -138,14 +138,14 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
     atlas = as_atlas(atlas)
     if kind not in ("top", "top_doc"):
         raise KvmemError(f"kind must be 'top' or 'top_doc', got {kind!r}")
-    if kind == "top_doc" and not atlas.manifest["scan"].get("per_document"):
+    if kind == "top_doc" and not atlas.manifest.scan.get("per_document"):
         raise KvmemError(f"atlas {atlas.path} has no per-document triggers; use kind='top' or rescan with --per-document")
     conventions = conventions_for(convention if convention is not None or model is not None else
                                   [c for c in ("raw", "final_norm") if c in atlas.conventions],
                                   None if model is not None else atlas)
-    gated = bool(atlas.manifest["model"].get("gated"))
+    gated = bool(atlas.manifest.model.get("gated"))
     chosen_sides = memory_sides(gated, sides)
-    top_k = int(atlas.manifest["scan"]["top_k"])
+    top_k = int(atlas.manifest.scan["top_k"])
     if top_triggers is None:
         ks = sorted({min(k, top_k) for k in DEFAULT_TOP_TRIGGERS})
     else:
@@ -155,7 +155,7 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
     chosen = atlas_layers(atlas, layers)
     check_seed(seed)
     match = check_fingerprint(atlas, model) if model is not None else None
-    vocab_size = int(atlas.manifest["model"]["vocab_size"])
+    vocab_size = int(atlas.manifest.model["vocab_size"])
     parts = []
     for side in chosen_sides:
         triggers = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],

@@ -58,13 +58,13 @@ def write(atlas, out: Path, neurons: list[tuple[int, int]], *, model=None, corpu
     if not isinstance(per_band, int) or per_band < 1:
         raise KvmemError(f"per_band must be an integer >= 1, got {per_band!r}")
     levels = tuple(float(level) for level in levels)
-    needs_model = quantiles or not atlas.manifest["scan"].get("context_activations", True)
+    needs_model = quantiles or not atlas.manifest.scan.get("context_activations", True)
     if needs_model and model is None:
         try:
             model = load_scanned_model(atlas)
         except (KvmemError, OSError) as error:
             raise KvmemError(f"quantile samples need the scanned model for their context coefficients and "
-                             f"{atlas.manifest['model']['name']!r} could not be loaded ({str(error).splitlines()[0]}); "
+                             f"{atlas.manifest.model['name']!r} could not be loaded ({str(error).splitlines()[0]}); "
                              f"pass --model DIR (model=), or --no-quantiles to write them as null") from None
     if model is not None:
         check_model(atlas, model)
@@ -208,15 +208,15 @@ def _metadata(atlas, neurons, *, quantiles: bool, per_band: int, levels) -> dict
         "files": {"neurons/<layer>/<neuron>.json": "NeuronRecord (load with neuron_explainer.fast_dataclasses.loads)",
                   "kvmem/<layer>/<neuron>.json": "most_negative_activation_records, stdev, record positions"},
         "exported_with": __version__,
-        "atlas": {"model": m["model"]["name"], "fingerprint": m["model"]["fingerprint"], "gated": m["model"].get("gated"),
-                  "corpus": m["corpus"]["spec"], "tokens": m["tokens"], "kvmem_version": m["kvmem_version"]},
+        "atlas": {"model": m.model["name"], "fingerprint": m.model["fingerprint"], "gated": m.model.get("gated"),
+                  "corpus": m.corpus["spec"], "tokens": m.tokens, "kvmem_version": m.kvmem_version},
         "neurons": len(neurons), "layers": sorted({layer for layer, _ in neurons}),
-        "records": {"tokens": f"the stored context: up to {m['scan']['context_before']} tokens before and "
-                              f"{m['scan']['context_after']} after the kept token, inside the window the model read",
+        "records": {"tokens": f"the stored context: up to {m.scan['context_before']} tokens before and "
+                              f"{m.scan['context_after']} after the kept token, inside the window the model read",
                     "activations": "signed coefficient m_i (hook_post) at each token"},
         "most_positive_activation_records": "top triggers, highest m_i first (memory +v_i)",
         "most_negative_activation_records": "in kvmem/: bottom triggers, lowest m_i first (memory -v_i when m_i < 0)",
-        "random_sample": f"the layer's uniform random sample of {m['scan'].get('random_samples')} positions",
+        "random_sample": f"the layer's uniform random sample of {m.scan.get('random_samples')} positions",
         "random_sample_by_quantile": (f"{per_band} uniform samples per band between quantile levels {list(levels)}; "
                                       "bands of whole histogram bins; context coefficients computed with the model"
                                       if quantiles else None),

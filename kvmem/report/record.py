@@ -66,7 +66,7 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
 
     record = record if record is not None else atlas.neuron(layer, neuron)
     manifest = atlas.manifest
-    model = manifest["model"]
+    model = manifest.model
     provenance = record.provenance
     data = {
         "schema": SCHEMA,

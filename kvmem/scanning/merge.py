@@ -7,10 +7,10 @@ torchrun's ranks use) and writes the tables with the scan's own writer.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvmem.errors import KvmemError
+from kvmem.manifest import Manifest
 
 __all__ = ["merge"]
 
@@ -18,12 +18,12 @@ __all__ = ["merge"]
 _SAME = ("format_version", "model", "corpus", "layers", "tokenization", "scan", "projection")
 
 
-def _shard_of(path: Path) -> tuple[dict, tuple[int, int]]:
+def _shard_of(path: Path) -> tuple[Manifest, tuple[int, int]]:
     manifest_path = path / "manifest.json"
     if not manifest_path.exists():
         raise KvmemError(f"{path} is not an atlas (no manifest.json); pass the shard atlas directories")
-    manifest = json.loads(manifest_path.read_text())
-    shard = tuple(manifest.get("timing", {}).get("shard", (0, 1)))
+    manifest = Manifest.read(manifest_path)
+    shard = manifest.shard
     if shard[1] < 2 or not (path / "state").exists():
         raise KvmemError(f"{path} is not a shard atlas (scanned without --shard i/N, or by an older kvmem); "
                          f"merge the atlases of one 'kvmem scan --shard i/N' run")
@@ -37,9 +37,7 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     the vocabulary strings and value projections, which come from the per-model cache.
     """
     from kvmem.atlas import open_atlas
-    from kvmem.plan import TokenPlan
     from kvmem.scanning.checkpoint import load_state
-    from kvmem.scanning.config import ScanConfig
     from kvmem.scanning.progress import Phases
     from kvmem.scanning.writer import STATE_DIR, write_atlas
 
@@ -55,7 +53,7 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
         if shard[1] != count:
             raise KvmemError(f"{path} is shard {shard[0]}/{shard[1]}, {paths[0]} is one of {count}: these come "
                              f"from different scans")
-        differ = [key for key in _SAME if manifest.get(key) != first.get(key)]
+        differ = [key for key in _SAME if getattr(manifest, key) != getattr(first, key)]
         if differ:
             raise KvmemError(f"cannot merge {path} with {paths[0]}: their {', '.join(differ)} differ "
                              f"(shards of one scan share everything but the shard index)")
@@ -71,10 +69,10 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     if model is None:
         import kvmem
 
-        model = kvmem.load_model(first["model"]["name"], dtype=first["model"].get("dtype"))
-    if model.fingerprint != first["model"]["fingerprint"]:
+        model = kvmem.load_model(first.model["name"], dtype=first.model.get("dtype"))
+    if model.fingerprint != first.model["fingerprint"]:
         raise KvmemError(f"the model given has other weights ({model.fingerprint}) than the scanned one "
-                         f"({first['model']['fingerprint']}); pass the model that was scanned")
+                         f"({first.model['fingerprint']}); pass the model that was scanned")
     phases = Phases(progress)
     state = None
     with phases.phase("read", total=len(paths)) as bar:
@@ -82,10 +80,8 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
             part = load_state(path / STATE_DIR, None, device="cpu")
             state = part if state is None else state.merge(part)
             bar.update()
-    config = ScanConfig.from_dict({**first["scan"], "shard": (0, 1)})
-    plan = TokenPlan.from_dict(first["tokenization"])
-    corpus = {k: v for k, v in first["corpus"].items() if k not in ("documents", "sha256_chain")}
-    run = {"merged_from": [str(p) for p in paths],
-           "shard_seconds": [m.get("timing", {}).get("total_seconds") for m, _ in found]}
+    config, plan = first.config, first.plan  # both record shard 0/1: a shard's part is in its timing
+    corpus = {k: v for k, v in first.corpus.items() if k not in ("documents", "sha256_chain")}
+    run = {"merged_from": [str(p) for p in paths], "shard_seconds": [m.timing.get("total_seconds") for m, _ in found]}
     write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run)
     return open_atlas(target)

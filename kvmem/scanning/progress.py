@@ -28,6 +28,7 @@ class Phases:
         self.enabled = enabled
         self.seconds: dict[str, float] = {}
         self.started = time.perf_counter()
+        self._open: tuple[str, float] | None = None
 
     @contextmanager
     def phase(self, name: str, *, unit: str = "step", total: int | None = None) -> Iterator:
@@ -38,11 +39,21 @@ class Phases:
             bar = tqdm(total=total, unit=unit, unit_scale=unit == "tok", desc=name, smoothing=0.1,
                        delay=0 if name == "stream" else 1.0, leave=name == "stream")
         started = time.perf_counter()
+        self._open = (name, started)
         try:
             yield bar
         finally:
             bar.close()
             self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - started, 3)
+            self._open = None
+
+    def so_far(self) -> dict[str, float]:
+        """Seconds per phase, the phase still running included (up to now)."""
+        out = dict(self.seconds)
+        if self._open is not None:
+            name, started = self._open
+            out[name] = round(out.get(name, 0.0) + time.perf_counter() - started, 3)
+        return out
 
     def elapsed(self) -> float:
         return round(time.perf_counter() - self.started, 3)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pyarrow.compute as pc
 
 from kvmem.atomic import staged_directory
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
+from kvmem.manifest import Manifest
 from kvmem.models import Model
 from kvmem.plan import TokenPlan, unpack
 from kvmem.scanning.accumulator import LayerState
@@ -44,7 +44,7 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
         projections = cached_projection_files(model, layers, config, bar=bar)
 
     def manifest() -> dict:
-        timing = {"phases": dict(phases.seconds), "total_seconds": phases.elapsed(),
+        timing = {"phases": phases.so_far(), "total_seconds": phases.elapsed(),
                   "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
                   "world_size": world, "batches": state.batches, "shard": list(config.shard),
                   "projections_cached": projections["cached"], **(run or {})}
@@ -59,7 +59,8 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
                  bar=None, state=None) -> None:
     """Write into a hidden sibling directory, then rename it into place: a crash leaves no half atlas.
 
-    ``manifest``: a dict, or a function returning it (called last, so it can time the writing);
+    ``manifest``: a :class:`~kvmem.manifest.Manifest`, or a function returning one (called last, so
+    it can time the writing);
     ``copy``: table name -> an already written parquet file to copy in; ``state``: a scan state to
     keep beside the tables (shard atlases, for ``kvmem merge``).
     """
@@ -77,8 +78,7 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
             save_state(tmp / STATE_DIR, state, {"shard": True})
         if bar is not None:
             bar.update()
-        data = manifest() if callable(manifest) else manifest
-        (tmp / "manifest.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        (manifest() if callable(manifest) else manifest).write(tmp / "manifest.json")
 
 
 def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]) -> pa.Table:
@@ -266,7 +266,7 @@ def sample_tables(model: Model, config: ScanConfig, plan: TokenPlan, state) -> d
     return {"samples": samples, "sample_contexts": contexts}
 
 
-def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, timing: dict) -> dict:
+def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, timing: dict) -> Manifest:
     """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned."""
     import torch
     import transformer_lens
@@ -278,25 +278,25 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
     position = state.position
     plan_data = {**plan.to_dict(), "shard": [0, 1]}
     scan = {**config.to_dict(), "shard": [0, 1]}
-    return {
-        "format_version": FORMAT_VERSION,
-        "kvmem_version": __version__,
-        "model": model.describe(),
-        "anatomy": {"ffn_params_per_layer": ffn_params(model.d_model, model.d_ff, gated=model.gated, bias=model.has_bias)},
-        "corpus": {**corpus, "documents": position.documents, "sha256_chain": position.corpus_digest},
-        "tokens": state.tokens,
-        "windows": state.windows,
-        "layers": list(state.layers),
-        "tokenization": plan_data,
-        "scan": scan,
-        "histogram": {"bins": HIST_BINS, "edges": [e if np.isfinite(e) else ("inf" if e > 0 else "-inf")
-                                                   for e in bin_edges()]},
-        "projection": {"conventions": {c: CONVENTIONS[c].formula for c in config.conventions},
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        kvmem_version=__version__,
+        model=model.describe(),
+        anatomy={"ffn_params_per_layer": ffn_params(model.d_model, model.d_ff, gated=model.gated, bias=model.has_bias)},
+        corpus={**corpus, "documents": position.documents, "sha256_chain": position.corpus_digest},
+        tokens=state.tokens,
+        windows=state.windows,
+        layers=list(state.layers),
+        tokenization=plan_data,
+        scan=scan,
+        histogram={"bins": HIST_BINS, "edges": [e if np.isfinite(e) else ("inf" if e > 0 else "-inf")
+                                                for e in bin_edges()]},
+        projection={"conventions": {c: CONVENTIONS[c].formula for c in config.conventions},
                        "default_convention": DEFAULT_CONVENTION if DEFAULT_CONVENTION in config.conventions
                        else config.conventions[0], "top_n": config.top_n,
-                       "keys": "score = W_E[token] . k (input embedding, no norm)"},
-        "timing": timing,
-        "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
-                        "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
-    }
+                    "keys": "score = W_E[token] . k (input embedding, no norm)"},
+        timing=timing,
+        environment={"torch": torch.__version__, "transformers": transformers.__version__,
+                     "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
+                     "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
+    )

@@ -1,0 +1,78 @@
+"""The typed manifest (read, written, upgraded in one place) and the enforced table schema."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from conftest import SHORT_DOCS
+
+import kvmem
+from kvmem.manifest import Manifest
+from kvmem.schema import COLUMNS, TABLES, arrow_schema, conform
+
+
+@pytest.fixture(scope="module")
+def small_atlas(gpt2_model, tmp_path_factory):
+    return kvmem.scan(gpt2_model, SHORT_DOCS[:3], out=tmp_path_factory.mktemp("m") / "a", top_k=2, window=8, top_n=2,
+                      progress=False)
+
+
+def test_manifest_round_trip_and_typed_views(small_atlas, tmp_path):
+    manifest = small_atlas.manifest
+    assert isinstance(manifest, Manifest) and manifest.format_version == 2
+    assert manifest.plan.window == 8 and manifest.config.top_k == 2 and manifest.shard == (0, 1)
+    manifest.write(tmp_path / "m.json")
+    assert Manifest.read(tmp_path / "m.json") == manifest
+
+
+def test_format_1_manifest_opens_upgraded(small_atlas, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(small_atlas.path, old)
+    data = json.loads((old / "manifest.json").read_text())
+    data["format_version"] = 1
+    data["tokenization"] = {k: data["tokenization"][k] for k in ("window", "prepend_bos", "bos_token_id", "rule")}
+    data["timing"] = {"scan_seconds": 1.5, "tokens_per_second": 10.0}
+    data["shards"] = [{"index": 0, "count": 1}]
+    (old / "manifest.json").write_text(json.dumps(data))
+    atlas = kvmem.open(old)
+    assert atlas.manifest.plan.window == 8 and atlas.manifest.plan.batch_size == small_atlas.manifest.scan["batch_size"]
+    assert atlas.manifest.timing["upgraded_from_format"] == 1 and len(atlas.triggers(0, 0)) > 0
+
+
+def test_bad_manifests_get_one_line(small_atlas, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(small_atlas.path, bad)
+    data = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**data, "format_version": 9}))
+    with pytest.raises(kvmem.KvmemError, match=r"has atlas format 9, this kvmem reads formats 1, 2; rescan it") as error:
+        kvmem.open(bad)
+    assert "\n" not in str(error.value)
+    (bad / "manifest.json").write_text(json.dumps({k: v for k, v in data.items() if k != "layers"}))
+    with pytest.raises(kvmem.KvmemError, match="lacks layers: it is damaged"):
+        kvmem.open(bad)
+
+
+def test_every_table_on_disk_has_the_schema_of_kvmem_schema(small_atlas):
+    import pyarrow.parquet as pq
+
+    for name in TABLES:
+        assert pq.ParquetFile(small_atlas.path / f"{name}.parquet").schema_arrow == arrow_schema(name), name
+        assert arrow_schema(name).names == list(COLUMNS[name])
+
+
+def test_a_drifting_column_fails(small_atlas):
+    table = small_atlas._file("neurons").read()
+    conform(table, "neurons")  # the real one passes
+    with pytest.raises(ValueError, match=r"missing \['value_norm'\]"):
+        conform(table.drop(["value_norm"]), "neurons")
+    with pytest.raises(ValueError, match=r"extra \['surprise'\]"):
+        conform(table.append_column("surprise", pa.array([1] * len(table))), "neurons")
+    retyped = table.set_column(table.schema.get_field_index("count"), "count", table.column("count").cast(pa.int32()))
+    with pytest.raises(ValueError, match="column 'count' is int32, kvmem.schema says int64"):
+        conform(retyped, "neurons")
