@@ -10,8 +10,9 @@ The rule, stable so anyone can recompute an activation:
   ``bos_token_id`` is set (the BOS position is never scored);
 - token ``pos`` of document ``doc`` is packed into one int64 *code* ``doc << 32 | pos``;
 - documents are grouped into *blocks* of ``block_documents`` consecutive documents; a batch holds
-  up to ``batch_size`` consecutive windows and never spans two blocks, so every batch is the same
-  tensor whichever process computes it;
+  consecutive windows of one block, as many as fit ``batch_size × window`` padded positions
+  (windows × the longest of them), so short documents (sentences) share a forward without much
+  padding; every batch is the same tensor whichever process computes it;
 - ``max_tokens`` cuts the stream after that many scored tokens (the last window is shortened);
 - a process with shard ``i/n`` and rank ``r`` of ``w`` takes the blocks ``b`` with
   ``b % n == i`` and ``(b // n) % w == r``.
@@ -32,7 +33,8 @@ DEFAULT_WINDOW = 256
 DEFAULT_BLOCK_DOCUMENTS = 64
 RULE = ("each document is tokenized alone without special tokens; window k holds tokens "
         "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored); "
-        "batches of consecutive windows never span a block of block_documents documents")
+        "a batch holds consecutive windows of one block of block_documents documents, as many as fit "
+        "batch_size * window padded positions")
 
 
 def pack(doc, pos):
@@ -55,7 +57,7 @@ class TokenPlan:
 
     window:          tokens per window (BOS not counted)
     bos_token_id:    token read before every window and never scored; None = no BOS
-    batch_size:      windows per forward
+    batch_size:      windows per forward when they are full (the padded budget is batch_size × window)
     max_tokens:      scored tokens after which the stream stops (None = the whole corpus)
     block_documents: documents per block (the unit that shards and ranks share out)
     shard:           (i, n): this process's part of the blocks, for batch schedulers
@@ -188,12 +190,13 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
     block_docs = plan.block_documents
     current_block = position.blocks_done
     pending: list[WindowText] = []
-    pending_tokens = 0
+    pending_tokens = longest = 0
+    budget = plan.batch_size * plan.window  # padded positions per forward
 
     def flush():
-        nonlocal pending, pending_tokens
+        nonlocal pending, pending_tokens, longest
         batch = Batch(current_block, pending, pending_tokens)
-        pending, pending_tokens = [], 0
+        pending, pending_tokens, longest = [], 0, 0
         return batch
 
     for document in documents:
@@ -225,12 +228,13 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
             if not mine:
                 continue
             following = ids[start + n] if start + n < len(ids) else -1
+            if pending and (len(pending) + 1) * max(longest, n) > budget:
+                yield flush()
+            longest = max(longest, n)
             pending.append(WindowText(
                 document.index, document.id, start, tuple(ids[start:start + n]), following, document.text,
                 tuple(offsets[start:start + n]) if offsets is not None else None))
             pending_tokens += n
-            if len(pending) == plan.batch_size:
-                yield flush()
     if pending:
         yield flush()
     position.finished = True
