@@ -45,10 +45,13 @@ def token_batches(model, n_tokens: int, *, window: int = 256, batch_size: int = 
     """Real-text input ids [batch, window + 1] (BOS first), enough for n_tokens scored tokens."""
     import torch
 
-    from kvmem.corpus import open_corpus, windows
+    from kvmem.corpus import open_corpus
+    from kvmem.plan import StreamPosition, TokenPlan, iterate_batches
 
+    plan = TokenPlan(window=window, bos_token_id=model.bos_token_id)
     rows, total = [], 0
-    for item in windows(open_corpus(corpus), model.encode, window):
+    stream = iterate_batches(open_corpus(corpus), model.tokenizer, plan, StreamPosition())
+    for item in (w for batch in stream if not isinstance(batch, int) for w in batch.windows):
         if len(item.tokens) < window:
             continue
         rows.append([model.bos_token_id, *item.tokens])

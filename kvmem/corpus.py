@@ -15,12 +15,7 @@ Sources (:func:`open_corpus`):
 ``unit`` splits each source record further: ``document`` (as is; a .txt file is one
 document), ``paragraph`` (blank-line separated), ``line`` or ``sentence``.
 
-Tokenization rule (:func:`windows`), stable so anyone can recompute an activation:
-a document's text is tokenized alone, with no special tokens: ``ids = tokenizer(text,
-add_special_tokens=False).input_ids``. Window k holds ``ids[k*W:(k+1)*W]``; the model reads
-``[bos] + window`` when ``prepend_bos`` (the BOS position is never scored), else the window.
-Token ``pos`` of document ``doc`` is therefore at offset ``pos - W*(pos//W)`` of window
-``pos//W`` (plus 1 with BOS).
+How documents become model inputs (windows, BOS, batches, shards) is :mod:`kvmem.plan`'s rule.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from typing import Any
 
 from kvmem.errors import KvmemError
 
-__all__ = ["Document", "Corpus", "Window", "open_corpus", "windows", "BUILTIN_CORPORA", "UNITS"]
+__all__ = ["Document", "Corpus", "open_corpus", "BUILTIN_CORPORA", "UNITS"]
 
 UNITS = ("document", "paragraph", "line", "sentence")
 BUILTIN_CORPORA = {
@@ -62,15 +57,6 @@ class Document:
     index: int
     id: str
     text: str
-
-
-@dataclass(frozen=True)
-class Window:
-    """Consecutive tokens of one document: ``tokens`` = ids[start:start+len] of document ``doc``."""
-
-    doc: int
-    start: int
-    tokens: tuple[int, ...]
 
 
 @dataclass
@@ -371,13 +357,3 @@ def _docstring_nodes(node, prefix: str):
     for child in getattr(node, "body", []):
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             yield from _docstring_nodes(child, f"{prefix}.{child.name}")
-
-
-def windows(documents: Iterable[Document], encode: Callable[[str], list[int]], window: int) -> Iterator[Window]:
-    """Consecutive windows of at most ``window`` tokens of each document (the rule in the module docstring)."""
-    if window < 1:
-        raise KvmemError(f"window must be at least 1 token, got {window}")
-    for document in documents:
-        ids = encode(document.text)
-        for start in range(0, len(ids), window):
-            yield Window(document.index, start, tuple(ids[start:start + window]))

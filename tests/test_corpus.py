@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 import kvmem
-from kvmem.corpus import Document, open_corpus, windows
+from kvmem.corpus import open_corpus
+from kvmem.plan import StreamPosition, TokenPlan, iterate_batches
 
 
 def ids_and_texts(corpus):
@@ -62,11 +63,47 @@ def test_builtin_corpora():
 
 
 def test_window_rule(gpt2_model):
-    docs = [Document(0, "a", "one two three four five six seven"), Document(1, "b", "eight")]
-    got = list(windows(docs, gpt2_model.encode, 3))
+    docs = list(open_corpus(["one two three four five six seven", "eight"]))
+    plan = TokenPlan(window=3, bos_token_id=None, batch_size=2)
+    got = [w for item in iterate_batches(docs, gpt2_model.tokenizer, plan, StreamPosition())
+           if not isinstance(item, int) for w in item.windows]
     ids = gpt2_model.encode(docs[0].text)
     assert [(w.doc, w.start, list(w.tokens)) for w in got] == [
         (0, 0, ids[0:3]), (0, 3, ids[3:6]), (0, 6, ids[6:7]), (1, 0, gpt2_model.encode("eight"))]
+
+
+def test_plan_batches_blocks_shards_and_cut(gpt2_model):
+    """Batches fill batch_size x window padded positions, never span a block; shards take whole blocks;
+    max_tokens cuts the stream at a token count every process agrees on."""
+    docs = list(open_corpus([f"doc {i} " + "word " * (3 + 2 * i) for i in range(6)]))
+    plan = TokenPlan(window=4, bos_token_id=None, batch_size=2, block_documents=2)
+    position = StreamPosition()
+    items = list(iterate_batches(docs, gpt2_model.tokenizer, plan, position))
+    batches = [i for i in items if not isinstance(i, int)]
+    assert [i for i in items if isinstance(i, int)] == [1, 2]  # block boundaries
+    for batch in batches:
+        assert len({w.doc // 2 for w in batch.windows}) == 1  # one block
+        assert len(batch.windows) * max(len(w.tokens) for w in batch.windows) <= 2 * 4
+    total = sum(b.tokens for b in batches)
+    assert position.documents == 6 and position.tokens == total and len(position.corpus_digest) == 64
+    shards = [TokenPlan(window=4, bos_token_id=None, batch_size=2, block_documents=2, shard=(i, 2)) for i in (0, 1)]
+    parts = [[w for item in iterate_batches(docs, gpt2_model.tokenizer, p, StreamPosition())
+              if not isinstance(item, int) for w in item.windows] for p in shards]
+    assert {w.doc for w in parts[0]} == {0, 1, 4, 5} and {w.doc for w in parts[1]} == {2, 3}
+    assert sorted((w.doc, w.start) for part in parts for w in part) == sorted(
+        (w.doc, w.start) for b in batches for w in b.windows)
+    cut = TokenPlan(window=4, bos_token_id=None, batch_size=2, block_documents=2, max_tokens=13, shard=(1, 2))
+    got = [w for item in iterate_batches(docs, gpt2_model.tokenizer, cut, StreamPosition())
+           if not isinstance(item, int) for w in item.windows]
+    whole = [w for b in batches for w in b.windows]
+    kept, seen = [], 0
+    for w in whole:  # the first 13 tokens of the whole stream, of which shard 1 holds its blocks' share
+        n = min(len(w.tokens), 13 - seen)
+        if n <= 0:
+            break
+        seen += n
+        kept.append((w.doc, w.start, n))
+    assert [(w.doc, w.start, len(w.tokens)) for w in got] == [k for k in kept if (k[0] // 2) % 2 == 1]
 
 
 def test_errors(tmp_path):
