@@ -51,6 +51,7 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
                        out: str | os.PathLike, corpus: Any = None, convention: str | Sequence[str] | None = None,
                        sides: str | Sequence[str] | None = None, kind: str | None = None, neurons_per_layer: int = 10,
                        triggers: int = 3, positions: int = 400, bos: Sequence[Any] | str = ("default",),
+                       quality_tokens: int | None = 50_000,
                        layers: Sequence[int] | None = None, n_boot: int = 1000, seed: int = 0,
                        overwrite: bool = False, progress: bool = False) -> pd.DataFrame:
     """Run every Geva et al. measurement on ``atlas`` and save the frames into the directory ``out``.
@@ -59,7 +60,8 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
     atlas is per-document (one trigger per sentence, as Geva et al.), else ``top``. ``convention``: None
     reports both ``raw`` and ``final_norm``. ``sides``: None reads signed FFNs as two memories per slot.
     ``neurons_per_layer`` × ``triggers``: the token-removal sample; ``positions``: the random positions of
-    section 5. ``bos``: the BOS choices whose perplexity is reported (e.g. ``("default", "<|endoftext|>")``).
+    section 5. ``bos``: the BOS choices whose perplexity is reported (e.g. ``("default", "<|endoftext|>")``),
+    on the first ``quality_tokens`` scanned tokens (None: all of them; one forward per BOS choice each).
     Returns the index of what was written (result, rows, seconds); :func:`load_results` reads it back.
     """
     from kvmem import experiments as E
@@ -80,7 +82,8 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
         frames[name] = compute()
         seconds[name] = time.perf_counter() - started
 
-    step("lm_quality", lambda: E.lm_quality(model, corpus, atlas=atlas, bos=bos, n_boot=n_boot, seed=seed))
+    step("lm_quality", lambda: E.lm_quality(model, corpus, atlas=atlas, bos=bos, max_tokens=quality_tokens,
+                                            n_boot=n_boot, seed=seed))
     step("agreement", lambda: E.agreement(atlas, model=model, convention=conventions, sides=sides, kind=kind,
                                           layers=layers, n_boot=n_boot, seed=seed))
     step("next_token_ranks", lambda: E.next_token_ranks(atlas, model, convention=conventions, sides=sides, kind=kind,
@@ -110,7 +113,8 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
     settings = {"atlas": str(atlas.path), "model": model.name, "fingerprint": model.fingerprint, "kind": kind,
                 "conventions": conventions, "sides": None if sides is None else list(sides),
                 "neurons_per_layer": neurons_per_layer, "triggers": triggers, "positions": positions,
-                "bos": [str(b) for b in ([bos] if isinstance(bos, str) else bos)], "n_boot": n_boot, "seed": seed,
+                "bos": [str(b) for b in ([bos] if isinstance(bos, str) else bos)], "quality_tokens": quality_tokens,
+                "n_boot": n_boot, "seed": seed,
                 "layers": None if layers is None else list(layers)}
     save_results(frames, out, overwrite=overwrite, extra={"experiment": "geva2021", "settings": settings,
                                                           "descriptions": RESULT_NAMES})
