@@ -14,12 +14,15 @@ from common import HERE, machine, run_isolated
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default=None, help="rerun some sections (overhead,memory,projection,queries), "
+    parser.add_argument("--only", default=None, help="rerun some sections (whole,overhead,memory,projection,queries), "
                                                        "keeping the others from results.json")
     args = parser.parse_args()
     small, large = (2_000, 6_000) if args.quick else (10_000, 100_000)
     overhead_tokens = "2048" if args.quick else "8192"
     sections = {
+        "whole": lambda: [run_isolated("whole_scan.py", "--model", "smollm2-135m", "--tokens", str(n),
+                                       "--repeats", "1" if n >= 100_000 else "2", *(["--cold"] if n == 2_000 else []))
+                          for n in ((2_000, 6_000) if args.quick else (2_000, 20_000, 100_000))],
         "overhead": lambda: [run_isolated("scan_overhead.py", "--model", m, "--tokens", overhead_tokens)
                              for m in ("gpt2-random", "smollm2-135m")],
         "memory": lambda: [run_isolated("naive_vs_kvmem.py", "--mode", mode, "--tokens", str(n))
@@ -33,6 +36,13 @@ def main() -> None:
         results[name] = sections[name]()
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"Measured on: {machine()}\n")
+    print("| whole scan (smollm2-135m, pydoc) | tokens | bare forward s | whole scan s | bare / scan | phases s |")
+    print("|---|---|---|---|---|---|")
+    for r in results.get("whole", []):
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
+        cold = f" (first scan, empty projection cache: {r['first_scan_cold_seconds']} s)" if r["first_scan_cold_seconds"] else ""
+        print(f"| | {r['tokens']:,} | {r['bare_seconds']} | {r['scan_seconds']} | {r['ratio']} | {phases}{cold} |")
+    print()
     print("| scan overhead | bare forward tok/s | forward to last FFN tok/s | full scan tok/s | scan / bare | scan / truncated |")
     print("|---|---|---|---|---|---|")
     for r in results["overhead"]:

@@ -16,7 +16,15 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import as_atlas, atlas_corpus, check_fingerprint, check_positive, check_seed, provenance
+from kvmem.experiments.common import (
+    as_atlas,
+    check_fingerprint,
+    check_positive,
+    check_seed,
+    finish_percent_axes,
+    provenance,
+    resolve_corpus,
+)
 from kvmem.experiments.forward import Sampled, read_positions, sample_positions, scan_plan
 from kvmem.experiments.stats import bootstrap_ci
 
@@ -76,17 +84,11 @@ def active_fractions(m: Tensor, *, threshold: float = 0.0, abs_threshold: float 
 def sample_for(model: Model, corpus: Any, atlas: Atlas | None, *, positions: int, seed: int, window: int | None,
                prepend_bos: bool | None, max_tokens: int | None, unit: str) -> tuple[Sampled, Any, dict]:
     """Sampled positions for an experiment; settings default to the atlas's (corpus, window, BOS, tokens)."""
-    from kvmem.corpus import open_corpus
 
     check_positive("positions", positions)
     check_seed(seed)
     check_positive("max_tokens", max_tokens, allow_none=True)
-    if atlas is not None:
-        corpus = atlas_corpus(atlas, corpus)
-    elif corpus is None:
-        raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
-    else:
-        corpus = open_corpus(corpus, unit=unit)
+    corpus = resolve_corpus(atlas, corpus, unit)
     # the atlas's own plan (its shard only), or the scan's for these settings
     plan = scan_plan(model, atlas=atlas, window=window, prepend_bos=prepend_bos, max_tokens=max_tokens)
     sampled = sample_positions(model, corpus, positions=positions, seed=seed, plan=plan)
@@ -166,9 +168,5 @@ def plot_active_memories(frame: pd.DataFrame, *, ax=None):
     if "mass90_mean" in frame:
         ax.plot(frame.layer, 100 * frame.mass90_mean, ls=":", label="slots carrying 90% of Σ|m_i|·‖v_i‖")
     ax.axhspan(10, 50, color="tab:green", alpha=0.08, lw=0, label="Geva et al.: 10-50%")
-    ax.set_ylim(0, 100)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("slots (%)")
-    ax.set_title(f"active memories per position ({frame.attrs.get('model', '?')})")
-    ax.legend(fontsize="small")
-    return ax
+    return finish_percent_axes(ax, ylabel="neurons (%)",
+                               title=f"active memories per position ({frame.attrs.get('model', '?')})")

@@ -38,6 +38,8 @@ __all__ = [
     "model_for_atlas",
     "provenance",
     "read_columns",
+    "resolve_corpus",
+    "finish_percent_axes",
     "single_cycle",
     "trigger_kind",
     "value_top_tokens",
@@ -175,6 +177,28 @@ def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.Pa
         model = load_model(name, device=device, dtype=dtype)
     check_fingerprint(atlas, model)
     return model
+
+
+def resolve_corpus(atlas: Atlas | None, corpus: Any, unit: str) -> Corpus:
+    """The text an experiment reads: the atlas's corpus (``corpus`` overrides where the manifest's cannot
+    be reopened), else ``corpus`` opened with ``unit``."""
+    from kvmem.corpus import open_corpus
+
+    if atlas is not None:
+        return atlas_corpus(atlas, corpus)
+    if corpus is None:
+        raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
+    return open_corpus(corpus, unit=unit)
+
+
+def finish_percent_axes(ax, *, ylabel: str, title: str):
+    """The shared look of the per-layer percentage plots: 0-100 %, labels, a small legend."""
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return ax
 
 
 def atlas_corpus(atlas: Atlas, corpus: Any = None) -> Corpus:

@@ -38,6 +38,7 @@ from kvmem.experiments.common import (
     check_convention,
     check_fingerprint,
     check_positive,
+    finish_percent_axes,
     memory_sides,
     provenance,
     value_top_tokens,
@@ -237,9 +238,5 @@ def plot_layer_vs_memories(frame: pd.DataFrame, *, ax=None):
     ax.plot(frame.layer, 100 * frame.after_is_neither, label="neither (composition)")
     ax.plot(frame.layer, 100 * frame.after_is_final, ls="--", color="tab:gray", label="after FFN = final prediction")
     ax.axhline(68, ls=":", color="black", lw=0.8)
-    ax.set_ylim(0, 100)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("positions (%)")
-    ax.set_title(f"layer vs. memories ({frame.attrs.get('model', '?')}, {frame.attrs.get('convention', '?')})")
-    ax.legend(fontsize="small")
-    return ax
+    return finish_percent_axes(ax, ylabel="positions (%)", title=f"layer vs. memories ({frame.attrs.get('model', '?')}, "
+                                                                  f"{frame.attrs.get('convention', '?')})")

@@ -16,7 +16,13 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import as_atlas, atlas_corpus, check_fingerprint, check_positive, provenance
+from kvmem.experiments.common import (
+    as_atlas,
+    check_fingerprint,
+    check_positive,
+    provenance,
+    resolve_corpus,
+)
 from kvmem.experiments.forward import corpus_windows, scan_plan
 from kvmem.experiments.stats import bootstrap_ci
 
@@ -106,7 +112,6 @@ def lm_quality(model: Model, corpus: Any = None, *, atlas: Atlas | str | None = 
     ``"<|endoftext|>"``, or an id); each row reads the same windows and predicts the same tokens.
     Columns :data:`QUALITY_COLUMNS`; provenance in ``frame.attrs``.
     """
-    from kvmem.corpus import open_corpus
 
     check_positive("batch_tokens", batch_tokens)
     check_positive("max_tokens", max_tokens, allow_none=True)
@@ -115,12 +120,7 @@ def lm_quality(model: Model, corpus: Any = None, *, atlas: Atlas | str | None = 
         raise KvmemError("bos names no choice; pass e.g. bos=('default', '<|endoftext|>')")
     atlas = as_atlas(atlas) if atlas is not None else None
     match = check_fingerprint(atlas, model) if atlas is not None else None
-    if atlas is not None:
-        corpus = atlas_corpus(atlas, corpus)
-    elif corpus is None:
-        raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
-    else:
-        corpus = open_corpus(corpus, unit=unit)
+    corpus = resolve_corpus(atlas, corpus, unit)
     # the scan's windows (BOS varies below, so the plan is asked for with one position kept for it)
     plan = scan_plan(model, atlas=atlas, window=window, prepend_bos=True if atlas is None else None,
                      max_tokens=max_tokens)

@@ -262,18 +262,13 @@ def next_token_rank(atlas: Atlas | str | os.PathLike, model: Model, *, conventio
 def plot_next_token_rank(frame: pd.DataFrame, *, ax=None, convention: str | None = None):
     """Pooled median rank per layer and side (line) with its bootstrap band, the top-1 trigger's median (thin),
     the shuffled baseline (dashed) and |V|/2 (dotted); log scale; one convention (default raw)."""
-    import matplotlib.pyplot as plt
 
-    from kvmem.experiments.value_agreement import _panel
+    from kvmem.experiments.value_agreement import side_panels
 
     if not {"layer", "median", "median_ci_low", "median_ci_high"} <= set(frame.columns):
         raise KvmemError("plot_next_token_rank expects the frame of kvmem.experiments.next_token_rank")
-    frame, convention = _panel(frame, convention)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (side, part) in enumerate(frame.groupby(frame.side if "side" in frame else np.zeros(len(frame)), sort=False)):
-        color = colors[i % len(colors)]
+    frame, convention, ax, panels = side_panels(frame, convention, ax)
+    for color, side, part in panels:
         ax.fill_between(part.layer, part.median_ci_low, part.median_ci_high, color=color, alpha=0.2)
         ax.plot(part.layer, part["median"], color=color, marker="o", ms=3, label=f"{side}: median, all triggers")
         ax.plot(part.layer, part.median_top1, color=color, lw=0.8, label=f"{side}: median, top-1 trigger")

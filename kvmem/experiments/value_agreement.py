@@ -28,19 +28,7 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import (
-    as_atlas,
-    atlas_layers,
-    check_fingerprint,
-    check_positive,
-    check_seed,
-    conventions_for,
-    memory_sides,
-    provenance,
-    read_columns,
-    trigger_kind,
-    value_top_tokens,
-)
+from kvmem.experiments import common
 from kvmem.experiments.stats import bootstrap_ci, exact_permutation_null
 
 if TYPE_CHECKING:
@@ -77,8 +65,8 @@ def agreement_from_frames(triggers: pd.DataFrame, value_tops: pd.DataFrame, *, v
     memory's top token. ``seed``: the bootstrap's. Returns one row per layer, the columns of
     :data:`AGREEMENT_COLUMNS` from ``layer`` on (one agree/ci/null/chance group per k).
     """
-    check_seed(seed)
-    check_positive("n_boot", n_boot)
+    common.check_seed(seed)
+    common.check_positive("n_boot", n_boot)
     ks = sorted({int(k) for k in top_triggers})
     if not ks or ks[0] < 1:
         raise KvmemError(f"top_triggers must be integers >= 1, got {list(top_triggers)}")
@@ -135,16 +123,16 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
     (top-k positions) or ``top_doc`` (one per document, Geva et al.'s choice; needs a per-document atlas).
     ``n_boot``/``seed``: the bootstrap. Columns :data:`AGREEMENT_COLUMNS`; provenance in ``frame.attrs``.
     """
-    atlas = as_atlas(atlas)
+    atlas = common.as_atlas(atlas)
     if kind not in ("top", "top_doc"):
         raise KvmemError(f"kind must be 'top' or 'top_doc', got {kind!r}")
     if kind == "top_doc" and not atlas.manifest.scan.get("per_document"):
         raise KvmemError(f"atlas {atlas.path} has no per-document triggers; use kind='top' or rescan with --per-document")
-    conventions = conventions_for(convention if convention is not None or model is not None else
+    conventions = common.conventions_for(convention if convention is not None or model is not None else
                                   [c for c in ("raw", "final_norm") if c in atlas.conventions],
                                   None if model is not None else atlas)
     gated = bool(atlas.manifest.model.get("gated"))
-    chosen_sides = memory_sides(gated, sides)
+    chosen_sides = common.memory_sides(gated, sides)
     top_k = int(atlas.manifest.scan["top_k"])
     if top_triggers is None:
         ks = sorted({min(k, top_k) for k in DEFAULT_TOP_TRIGGERS})
@@ -152,19 +140,19 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
         ks = sorted({int(k) for k in top_triggers})
         if not ks or ks[0] < 1 or ks[-1] > top_k:
             raise KvmemError(f"top_triggers must lie in 1..{top_k} (the atlas keeps {top_k} triggers per neuron), got {ks}")
-    chosen = atlas_layers(atlas, layers)
-    check_seed(seed)
-    match = check_fingerprint(atlas, model) if model is not None else None
+    chosen = common.atlas_layers(atlas, layers)
+    common.check_seed(seed)
+    match = common.check_fingerprint(atlas, model) if model is not None else None
     vocab_size = int(atlas.manifest.model["vocab_size"])
     parts = []
     for side in chosen_sides:
-        triggers = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
-                                [("kind", "=", trigger_kind(side, kind)), ("next_token_id", ">=", 0),
+        triggers = common.read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
+                                [("kind", "=", common.trigger_kind(side, kind)), ("next_token_id", ">=", 0),
                                  ("layer", "in", chosen)])
         for name in conventions:
             tops = []
             for layer in chosen:
-                top = value_top_tokens(model, layer, name, atlas=atlas)[0 if side == "positive" else 1]
+                top = common.value_top_tokens(model, layer, name, atlas=atlas)[0 if side == "positive" else 1]
                 tops.append(pd.DataFrame({"layer": layer, "neuron": np.arange(len(top)), "token_id": top}))
             frame = agreement_from_frames(triggers, pd.concat(tops, ignore_index=True), vocab_size=vocab_size,
                                           top_triggers=ks, n_boot=n_boot, seed=seed)
@@ -172,7 +160,7 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
             frame.insert(0, "convention", name)
             parts.append(frame)
     frame = pd.concat(parts, ignore_index=True)
-    frame.attrs = provenance("agreement", model=model, atlas=atlas, convention=conventions[0], settings={
+    frame.attrs = common.provenance("agreement", model=model, atlas=atlas, convention=conventions[0], settings={
         "conventions": conventions, "sides": list(chosen_sides), "top_triggers": ks, "kind": kind, "layers": chosen,
         "n_boot": n_boot, "seed": seed, "gated": gated,
         "null": "exact expectation under a uniform permutation of the layer's values among its neurons",
@@ -181,6 +169,18 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
     if match is not None:
         frame.attrs["fingerprint_match"] = match
     return frame
+
+
+def side_panels(frame: pd.DataFrame, convention: str | None, ax):
+    """A per-layer plot's parts: (frame of one convention, the convention, ax, [(color, side, rows)])."""
+    import matplotlib.pyplot as plt
+
+    frame, convention = _panel(frame, convention)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    groups = frame.groupby(frame.side if "side" in frame else np.zeros(len(frame)), sort=False)
+    return frame, convention, ax, [(colors[i % len(colors)], side, part) for i, (side, part) in enumerate(groups)]
 
 
 def _panel(frame: pd.DataFrame, convention: str | None) -> tuple[pd.DataFrame, str]:
@@ -197,17 +197,12 @@ def _panel(frame: pd.DataFrame, convention: str | None) -> tuple[pd.DataFrame, s
 def plot_agreement(frame: pd.DataFrame, *, ax=None, convention: str | None = None):
     """Top-1 agreement per layer and side with its bootstrap band, the exact permutation null (dashed) and
     the 1/|V| reference (dotted), in percent, for one convention (default raw)."""
-    import matplotlib.pyplot as plt
 
     if not {"layer", "agree_top1", "null_top1"} <= set(frame.columns):
         raise KvmemError("plot_agreement expects the frame of kvmem.experiments.agreement (columns layer, agree_top1, "
                          "null_top1)")
-    frame, convention = _panel(frame, convention)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (side, part) in enumerate(frame.groupby(frame.side if "side" in frame else np.zeros(len(frame)), sort=False)):
-        color = colors[i % len(colors)]
+    frame, convention, ax, panels = side_panels(frame, convention, ax)
+    for color, side, part in panels:
         ax.fill_between(part.layer, 100 * part.agree_top1_ci_low, 100 * part.agree_top1_ci_high, color=color, alpha=0.2)
         ax.plot(part.layer, 100 * part.agree_top1, color=color, marker="o", ms=3, label=f"{side} side, top-1 trigger")
         ax.plot(part.layer, 100 * part.null_top1, color=color, ls="--", lw=1, label=f"{side}, permutation null")
