@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-samples", action="store_true", help="without the random and per-bin samples")
     args = parser.parse_args()
 
     model = kvmem.load_model(args.model)
@@ -38,8 +39,9 @@ def main() -> None:
     layers = list(range(model.n_layers))
     device = model.device  # a GPU when one is present: bookkeeping stays on the device
     # the scan's defaults: k=25, 17 context coefficients, 20 random samples, 4 per histogram bin at rate 1/8
-    states = {layer: new_layer_state(model.d_ff, 25, per_document=False, context_width=17, device=device,
-                                     random_samples=20, bin_samples=4) for layer in layers}
+    samples = dict(random_samples=0, bin_samples=0) if args.no_samples else dict(random_samples=20, bin_samples=4)
+    states = {layer: new_layer_state(model.d_ff, 25, per_document=False, context_width=17, device=device, **samples)
+              for layer in layers}
 
     def bare(ids):
         with torch.inference_mode():
@@ -87,7 +89,7 @@ def main() -> None:
             seconds[name].append(totals[name])
     rate = {name: tokens / statistics.median(values) for name, values in seconds.items()}
     result = {
-        "model": args.model, "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
+        "model": args.model, "samples": not args.no_samples, "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
         "bare_tok_s": round(rate["bare"], 1), "truncated_tok_s": round(rate["truncated"], 1),
         "scan_tok_s": round(rate["scan"], 1),
         "ratio_vs_bare_forward": round(rate["scan"] / rate["bare"], 3),
