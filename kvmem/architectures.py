@@ -5,7 +5,7 @@ hook names (FFN sites and the residual stream around them) are formatted only by
 which ``Model.hook_name`` wraps. (Exceptions still to be routed here: ``kvmem.experiments.composition``
 formats ``blocks.L.hook_resid_*`` names itself.)
 
-Notation (also in README): for layer L with ``d_ff`` slots,
+Notation (also in README): for layer L with ``d_ff`` neurons (memory slots),
 - key k_i      = row i of W1 (plain FFN) or of W_up (gated FFN)      [d_ff, d_model]
 - gate key g_i = row i of W_gate (gated FFN only)                      [d_ff, d_model]
 - coefficient  m_i = act(x·k_i + b1_i)  or  act(x·g_i)·(x·u_i)         hook ``blocks.L.mlp.hook_post``

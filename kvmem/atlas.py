@@ -31,7 +31,7 @@ def open_atlas(path) -> Atlas:
 
 @dataclass
 class NeuronRecord:
-    """Everything the atlas knows about one memory slot."""
+    """Everything the atlas knows about one neuron (memory slot)."""
 
     layer: int
     neuron: int
@@ -269,7 +269,7 @@ class Atlas:
         return pd.DataFrame({"bin": np.arange(len(counts)), "low": edges[:-1], "high": edges[1:], "count": counts})
 
     def neuron(self, layer: int, neuron: int, *, convention: str | None = None) -> NeuronRecord:
-        """One memory slot with everything about it (readable repr, HTML in notebooks)."""
+        """One neuron with everything about it (readable repr, HTML in notebooks)."""
         self.check(layer, neuron)
         index = self.layers.index(layer) * self.d_ff + neuron
         stats = self.neurons.iloc[index].to_dict()

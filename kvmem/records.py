@@ -39,7 +39,7 @@ class ActivationRecord:
 
     tokens:       [T] the context split into tokens (concatenated they give the stored context)
     activations:  [T] this neuron's coefficient m_i at each of them (signed: negative m_i flips v_i)
-    layer, neuron: the slot
+    layer, neuron: the neuron
     source:       where it was kept: top | bottom | top_doc | bottom_doc | random | bin
     rank:         its rank among the kept rows of that source (0 first)
     doc, doc_id, pos: the kept token's document (stream index and stable id) and position

@@ -34,7 +34,7 @@ KEY_VECTORS = ("key", "gate")  # key: W1 / W_up row; gate: W_gate row (gated FFN
 COLUMNS: dict[str, dict[str, str]] = {
     "neurons": {
         "layer": "int16, FFN layer",
-        "neuron": "int32, slot i within the layer (row of W1 / column of W2)",
+        "neuron": "int32, neuron i within the layer (row of W1 / column of W2)",
         "count": "int64, positions scanned",
         "mean": "float64, mean coefficient m_i",
         "std": "float64, population standard deviation of m_i",

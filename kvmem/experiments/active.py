@@ -1,9 +1,9 @@
-"""Active memories (Geva et al. 2021, sec. 5.1): how many slots of a layer fire on a given prefix?
+"""Active memories (Geva et al. 2021, sec. 5.1): how many neurons of a layer fire on a given prefix?
 
 At positions drawn uniformly (seeded) from a corpus, tokenized by the scan's rule, each layer's
-coefficients m [d_ff] are read at ``hook_post``. A slot is *active* when m_i > ``threshold``
+coefficients m [d_ff] are read at ``hook_post``. A neuron is *active* when m_i > ``threshold``
 (Geva et al.'s ReLU: m_i > 0). Gated FFNs (SwiGLU, GeGLU) have signed coefficients, so the table
-also counts |m_i| > ``abs_threshold``, and a scale-free measure: the fraction of slots that carry
+also counts |m_i| > ``abs_threshold``, and a scale-free measure: the fraction of neurons that carry
 90% of the layer's total sub-update weight Σ|m_i|·‖v_i‖.
 """
 
@@ -48,25 +48,25 @@ DEFAULT_ABS_THRESHOLD = 0.1
 ACTIVE_COLUMNS = {
     "layer": "FFN layer",
     "positions": "corpus positions read",
-    "active_mean": "mean over positions of the fraction of slots with m_i > threshold (the positive side)",
+    "active_mean": "mean over positions of the fraction of neurons with m_i > threshold (the positive side)",
     "active_mean_ci_low": "bootstrap 95% interval over positions (low end)",
     "active_mean_ci_high": "its high end",
     "active_q1": "its first quartile over positions",
     "active_median": "its median",
     "active_q3": "its third quartile",
-    "abs_active_mean": "mean fraction of slots with |m_i| > abs_threshold (signed gated coefficients: both sides)",
+    "abs_active_mean": "mean fraction of neurons with |m_i| > abs_threshold (signed gated coefficients: both sides)",
     "abs_active_mean_ci_low": "bootstrap 95% interval over positions (low end)",
     "abs_active_mean_ci_high": "its high end",
-    "mass90_mean": "mean fraction of slots needed to carry 90% of sum_i |m_i| * ||v_i||",
+    "mass90_mean": "mean fraction of neurons needed to carry 90% of sum_i |m_i| * ||v_i||",
 }
 
 
 def active_fractions(m: Tensor, *, threshold: float = 0.0, abs_threshold: float = DEFAULT_ABS_THRESHOLD,
                      value_norms: Tensor | None = None) -> dict[str, np.ndarray]:
-    """Per position: fractions of active slots. m [n, d_ff]; value_norms [d_ff] (None: all 1).
+    """Per position: fractions of active neurons. m [n, d_ff]; value_norms [d_ff] (None: all 1).
 
     Returns {"active": [n] (m_i > threshold), "abs_active": [n] (|m_i| > abs_threshold),
-    "mass90": [n] (fraction of slots whose largest |m_i|·‖v_i‖ reach 90% of the total)}.
+    "mass90": [n] (fraction of neurons whose largest |m_i|·‖v_i‖ reach 90% of the total)}.
     """
     import torch
 
@@ -75,7 +75,7 @@ def active_fractions(m: Tensor, *, threshold: float = 0.0, abs_threshold: float 
     weight = m.abs() if value_norms is None else m.abs() * value_norms.float()[None]  # [n, d_ff]
     ordered = torch.sort(weight, dim=1, descending=True).values.double()
     cumulative = ordered.cumsum(dim=1)  # [n, d_ff]
-    needed = (cumulative < 0.9 * cumulative[:, -1:]).sum(dim=1) + 1  # slots until 90% is reached
+    needed = (cumulative < 0.9 * cumulative[:, -1:]).sum(dim=1) + 1  # neurons until 90% is reached
     return {"active": ((m > threshold).sum(dim=1).double() / d_ff).numpy(),
             "abs_active": ((m.abs() > abs_threshold).sum(dim=1).double() / d_ff).numpy(),
             "mass90": (needed.double() / d_ff).numpy()}
@@ -103,7 +103,7 @@ def active_memories(model: Model, corpus: Any = None, *, positions: int = 500, t
                     atlas: Atlas | str | None = None, window: int | None = None, prepend_bos: bool | None = None,
                     max_tokens: int | None = None, unit: str = "document", n_boot: int = 1000,
                     batch_tokens: int = 4096) -> pd.DataFrame:
-    """Per layer, the fraction of memory slots active at random corpus positions (Geva et al.: 10-50%).
+    """Per layer, the fraction of memory neurons active at random corpus positions (Geva et al.: 10-50%).
 
     ``corpus``: anything :func:`kvmem.corpus.open_corpus` takes (with ``unit``), or None with ``atlas``
     (its corpus, window, BOS and token count are the defaults). Positions are drawn uniformly from
@@ -152,7 +152,7 @@ def active_memories(model: Model, corpus: Any = None, *, positions: int = 500, t
 
 
 def plot_active_memories(frame: pd.DataFrame, *, ax=None):
-    """Fraction of active slots per layer (mean line, quartile band), |m| > threshold and the 90%-mass share."""
+    """Fraction of active neurons per layer (mean line, quartile band), |m| > threshold and the 90%-mass share."""
     import matplotlib.pyplot as plt
 
     if not {"layer", "active_mean", "active_q1", "active_q3"} <= set(frame.columns):
@@ -166,7 +166,7 @@ def plot_active_memories(frame: pd.DataFrame, *, ax=None):
     if "abs_active_mean" in frame:
         ax.plot(frame.layer, 100 * frame.abs_active_mean, ls="--", label=f"|m_i| > {settings.get('abs_threshold', '?')}")
     if "mass90_mean" in frame:
-        ax.plot(frame.layer, 100 * frame.mass90_mean, ls=":", label="slots carrying 90% of Σ|m_i|·‖v_i‖")
+        ax.plot(frame.layer, 100 * frame.mass90_mean, ls=":", label="neurons carrying 90% of Σ|m_i|·‖v_i‖")
     ax.axhspan(10, 50, color="tab:green", alpha=0.08, lw=0, label="Geva et al.: 10-50%")
     return finish_percent_axes(ax, ylabel="neurons (%)",
                                title=f"active memories per position ({frame.attrs.get('model', '?')})")

@@ -90,7 +90,7 @@ def conventions_for(convention: str | Sequence[str] | None, atlas: Atlas | None 
     return list(dict.fromkeys(names))
 
 
-# side -> (trigger kind prefix, value kind, sign): a signed slot is two memories (Geva et al. 2022 read m_i v_i)
+# side -> (trigger kind prefix, value kind, sign): a signed neuron is two memories (Geva et al. 2022 read m_i v_i)
 SIDES = {
     "positive": ("top", "promote", 1),  # the top triggers (largest m_i) with +v: the value's promoted tokens
     "negative": ("bottom", "suppress", -1),  # the bottom triggers (most negative m_i) with -v: its suppressed tokens
@@ -98,7 +98,7 @@ SIDES = {
 
 
 def memory_sides(gated: bool, sides: str | Sequence[str] | None = None) -> tuple[str, ...]:
-    """The memories a slot is read as: ``("positive",)`` for ReLU/GELU FFNs (the paper's reading), both sides
+    """The memories a neuron is read as: ``("positive",)`` for ReLU/GELU FFNs (the paper's reading), both sides
     for signed (gated SwiGLU/GeGLU) ones. ``sides`` overrides the default (a name or several)."""
     if sides is None:
         return ("positive", "negative") if gated else ("positive",)
@@ -256,11 +256,11 @@ _TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas: Atlas | None = None,
                      block: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """Per slot of ``layer``: the token its value promotes most and the one it suppresses most.
+    """Per neuron of ``layer``: the token its value promotes most and the one it suppresses most.
 
     Returns (top [d_ff], bottom [d_ff]) int64 token ids, argmax and argmin of the value's vocabulary
     scores under ``convention``. Read from the atlas's values table (rank 0) when ``atlas`` holds the
-    layer and convention; otherwise computed from the model in blocks of ``block`` slots.
+    layer and convention; otherwise computed from the model in blocks of ``block`` neurons.
     """
     if atlas is not None and layer in atlas.layers and convention in atlas.conventions:
         frame = read_columns(atlas, "values", ["neuron", "kind", "token_id"],

@@ -61,7 +61,7 @@ RANK_COLUMNS = {
     "convention": "value projection convention",
     "side": "positive (top triggers, +v) or negative (bottom triggers, -v)",
     "layer": "FFN layer",
-    "neuron": "memory slot",
+    "neuron": "neuron (memory slot) index",
     "trigger": "trigger order among the neuron's triggers with a next token (0 = the strongest)",
     "next_token_id": "the token after the trigger",
     "token_id": "the trigger's own token",
@@ -142,7 +142,7 @@ def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, conventi
 
     ``triggers``: how many of each neuron's triggers with a next token to rank (None: every kept one,
     pooled as in the released code). ``convention``: one or several (None: raw and final_norm).
-    ``sides``: None reads gated FFNs as two memories per slot, ReLU/GELU as one.
+    ``sides``: None reads gated FFNs as two memories per neuron, ReLU/GELU as one.
     """
     atlas = as_atlas(atlas)
     conventions = conventions_for(convention)

@@ -11,7 +11,7 @@ The unmodified recomputation reproduces the atlas's stored activation (``origina
 the summary reports the largest difference. Removing the last token needs no extra forward: in a
 causal model the prefix without its last token is read at the previous position of the original.
 
-Signed (gated) FFNs are read as two memories per slot (:func:`~kvmem.experiments.common.memory_sides`):
+Signed (gated) FFNs are read as two memories per neuron (:func:`~kvmem.experiments.common.memory_sides`):
 the negative side samples bottom triggers, and its changes are signed so that a negative change
 always means a weaker memory: change = sign · (modified - original) / |original|. Every per-layer
 mean has a bootstrap interval over the sampled prefixes.
@@ -61,7 +61,7 @@ REMOVALS = ("first", "last", "random")
 
 SAMPLE_COLUMNS = {
     "side": "positive (top triggers) or negative (bottom triggers, signed FFNs)",
-    "layer": "FFN layer", "neuron": "memory slot", "trigger": "trigger rank (0 = strongest)",
+    "layer": "FFN layer", "neuron": "neuron (memory slot) index", "trigger": "trigger rank (0 = strongest)",
     "doc": "document index", "doc_id": "document id", "pos": "trigger position in the document",
     "prefix_len": "tokens in the prefix (window start .. trigger, BOS not counted)",
     "random_index": "index in the prefix of the randomly removed token (-1: none)",
@@ -120,7 +120,7 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
                           sides: str | Sequence[str] | None = None, layers: Sequence[int] | None = None, seed: int = 0,
                           batch_tokens: int = 4096) -> pd.DataFrame:
     """One row per (side, sampled neuron, trigger): coefficients before and after each removal
-    (:data:`SAMPLE_COLUMNS`). ``sides``: None reads gated FFNs as two memories per slot, ReLU/GELU as one."""
+    (:data:`SAMPLE_COLUMNS`). ``sides``: None reads gated FFNs as two memories per neuron, ReLU/GELU as one."""
     atlas = as_atlas(atlas)
     check_positive("neurons_per_layer", neurons_per_layer)
     check_positive("triggers", triggers)
@@ -188,7 +188,7 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
         hook = model.hook_name(layer, "post")
 
         def on_batch(index: np.ndarray, captured, targets=targets, neuron_of=neuron_of, hook=hook) -> None:
-            got = captured[hook][np.arange(len(index)), neuron_of[index]].numpy()  # [n] this slot's m
+            got = captured[hook][np.arange(len(index)), neuron_of[index]].numpy()  # [n] this neuron's m
             for r, value in zip(index.tolist(), got.tolist()):
                 sample, column = targets[r]
                 values[column][sample] = value

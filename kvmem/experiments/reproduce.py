@@ -6,7 +6,7 @@ What "faithful" means here (FIELD.md, "How Geva et al. measured, in their releas
 - next-token ranks pooled over every kept trigger of a neuron, and given for the top-1 trigger;
 - the ``raw`` projection (the output embedding, no final norm) beside ``final_norm``;
 - section 5 as released: the top token of residual + FFN output against every memory's top token;
-- signed FFNs read as two memories per slot (top triggers with +v, bottom triggers with -v), each
+- signed FFNs read as two memories per neuron (top triggers with +v, bottom triggers with -v), each
   side reported apart; ReLU/GELU models keep the positive side;
 - nulls that keep token frequencies (exact within-layer permutation expectation, shuffled-value
   ranks with a paired test), bootstrap intervals on every per-layer figure, and 1/|V| only as a
@@ -58,7 +58,7 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
 
     ``model``: the atlas's own when None (fingerprint checked). ``kind``: None takes ``top_doc`` when the
     atlas is per-document (one trigger per sentence, as Geva et al.), else ``top``. ``convention``: None
-    reports both ``raw`` and ``final_norm``. ``sides``: None reads signed FFNs as two memories per slot.
+    reports both ``raw`` and ``final_norm``. ``sides``: None reads signed FFNs as two memories per neuron.
     ``neurons_per_layer`` × ``triggers``: the token-removal sample; ``positions``: the random positions of
     section 5. ``bos``: the BOS choices whose perplexity is reported (e.g. ``("default", "<|endoftext|>")``),
     on the first ``quality_tokens`` scanned tokens (None: all of them; one forward per BOS choice each).

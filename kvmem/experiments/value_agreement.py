@@ -3,7 +3,7 @@
 For each neuron (memory slot) of a layer, its value's top token (argmax of the value's vocabulary
 scores under a projection convention) is compared with the next token of the neuron's top trigger,
 and with the next tokens of any of its top-k triggers. Signed (gated) FFNs are read as two memories
-per slot: the top triggers with +v (the value's top token) and the bottom triggers with -v (the
+per neuron: the top triggers with +v (the value's top token) and the bottom triggers with -v (the
 value's bottom token, its most suppressed); ReLU/GELU models keep the paper's positive side
 (:func:`~kvmem.experiments.common.memory_sides`). Each side is reported apart, under every
 convention asked for (``raw`` is Geva et al.'s: the output embedding, no final norm).
@@ -118,7 +118,7 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
     ``atlas``: an Atlas or its directory. ``convention``: one or several of ``raw`` (Geva et al.'s) and
     ``final_norm``; None: both, read from the atlas's values table (rank 0 = the full argmax), so
     ``model`` is needed only for a convention the atlas lacks (its fingerprint is checked). ``sides``:
-    None reads gated FFNs as two memories per slot and ReLU/GELU as one (see :data:`AGREEMENT_COLUMNS`).
+    None reads gated FFNs as two memories per neuron and ReLU/GELU as one (see :data:`AGREEMENT_COLUMNS`).
     ``top_triggers``: the k values (default 1, 5, 25, capped at the atlas's top_k). ``kind``: ``top``
     (top-k positions) or ``top_doc`` (one per document, Geva et al.'s choice; needs a per-document atlas).
     ``n_boot``/``seed``: the bootstrap. Columns :data:`AGREEMENT_COLUMNS`; provenance in ``frame.attrs``.

@@ -15,7 +15,7 @@ automated-interpretability): its ``fast_dataclasses.loads`` builds each dict who
 
 - most_positive_activation_records: the top triggers (highest m_i first); most_negative: the bottom
   triggers (lowest first). Coefficients are signed: a record with m_i < 0 writes -|m_i| v_i, so the
-  most negative records illustrate the memory -v_i (the second direction of a gated slot).
+  most negative records illustrate the memory -v_i (the second direction of a gated neuron).
 - random_sample: the layer's uniform random sample of positions (context coefficients stored).
 - random_sample_by_quantile: ``per_band`` uniform samples of each band between the quantile levels
   (0, 0.5, 0.9, 0.99, 0.999, 1) as in OpenAI's viewer, bands made of whole histogram bins; their

@@ -205,7 +205,7 @@ def _quantiles(data: dict) -> str:
             rows.append(f'<tr><td>{label}</td><td class="num">{bounds}</td><td class="num">{fmt(s["activation"], "#.4g")}'
                         f"</td><td>{context_html(s, 0.0)}</td>"
                         f'<td class="note">{esc(s["doc_id"])}:{s["pos"]}</td></tr>')
-    return ("<h2>Quantile samples</h2><p>Uniform samples of the positions in each quantile band of this slot's "
+    return ("<h2>Quantile samples</h2><p>Uniform samples of the positions in each quantile band of this neuron's "
             "coefficients (bands made of whole histogram bins; bounds are the bins' edges, – for unbounded). "
             "Only the sampled token's coefficient is stored; it is outlined.</p>"
             '<table class="bt"><tr><th>quantiles</th><th class="num">band</th><th class="num">m</th>'

@@ -1,4 +1,4 @@
-"""The main job: stream a corpus through the model and keep, per memory slot, what triggers it."""
+"""The main job: stream a corpus through the model and keep, per neuron, what triggers it."""
 
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.merge import merge

@@ -2,7 +2,7 @@
 coefficients, exact moments and histograms.
 
 Memory is O(layers · d_ff · top_k · context); no tensor of shape (all tokens × d_ff) is ever held.
-Positions are int64 codes (``kvmem.plan.pack``: doc << 32 | pos); -1 marks an empty slot.
+Positions are int64 codes (``kvmem.plan.pack``: doc << 32 | pos); -1 marks an empty entry.
 
 One rule orders kept triggers everywhere: most extreme coefficient first, and among equal
 coefficients the lowest code (earliest (doc, pos)) first. The streaming update relies on codes

@@ -125,7 +125,7 @@ def histograms_table(layers: list[int], states: dict[int, LayerState]) -> pa.Tab
 
 
 def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str, np.ndarray]:
-    """Flatten kept triggers, sorted by (layer, neuron, kind, rank); empty slots dropped."""
+    """Flatten kept triggers, sorted by (layer, neuron, kind, rank); empty entries dropped."""
     parts: dict[str, list[np.ndarray]] = {}
     for layer in layers:
         sides = states[layer].sides()
@@ -210,7 +210,7 @@ def triggers_table(model: Model, config: ScanConfig, plan: TokenPlan, state) -> 
 
 
 def _sample_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str, np.ndarray] | None:
-    """Flatten samples, sorted by (layer, neuron, kind (random, then bin), bin, rank); empty slots dropped."""
+    """Flatten samples, sorted by (layer, neuron, kind (random, then bin), bin, rank); empty entries dropped."""
     parts: dict[str, list[np.ndarray]] = {}
 
     def add(**columns):
