@@ -115,12 +115,12 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     from kvmem.atlas import open_atlas
     from kvmem.scanning.writer import write_atlas
 
-    phases = Phases(progress)
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
     layers = _check_layers(model, config)
     plan = token_plan(model, config)
     rank, world = distributed.rank_and_world(model.device)
+    phases = Phases(progress and rank == 0)  # one set of bars, rank 0's
 
     target = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvmem-atlas-")) / "atlas"
     checkpoint = target.with_name(target.name + (f".rank{rank}" if world > 1 else "") + ".checkpoint")
