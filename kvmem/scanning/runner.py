@@ -196,9 +196,29 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
             continue
         _run_batch(model, item, plan, config, state)
         bar.update(item.tokens)
+        if state.batches % 16 == 0:
+            _release_freed_memory()
         if state.texts.needs_gc():
             state.texts.keep_only(state.referenced_windows(plan.window))
     state.seconds = time.perf_counter() - started
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by earlier batches back to the OS (glibc keeps it otherwise, and the
+    batches' temporaries differ in size from batch to batch, so peak RSS would creep up)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState) -> None:
