@@ -97,10 +97,6 @@ class TokenPlan:
         index, count = self.shard
         return block % count == index and (block // count) % world == rank
 
-    def takes_document(self, doc: int, rank: int = 0, world: int = 1) -> bool:
-        """Whether this shard (and rank) scans document ``doc``."""
-        return self.takes_block(doc // self.block_documents, rank, world)
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["shard"] = list(self.shard)

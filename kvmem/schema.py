@@ -24,7 +24,6 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 ROW_GROUP_NEURONS = 64
 TABLES = ("neurons", "triggers", "values", "keys", "histograms", "samples", "sample_contexts")
-OPTIONAL_TABLES = ("samples", "sample_contexts")  # absent when samples are switched off (and in format 1)
 SAMPLE_KINDS = ("random", "bin")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document

@@ -15,9 +15,8 @@ from pathlib import Path
 
 from kvmem.errors import KvmemError
 
-__all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes", "STATE_FILES"]
+__all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
 
-STATE_FILES = ("state.safetensors", "state.json")
 _VERSION = 1
 
 

@@ -57,7 +57,3 @@ class Phases:
 
     def elapsed(self) -> float:
         return round(time.perf_counter() - self.started, 3)
-
-    def summary(self) -> str:
-        """'stream 41.2 s, texts 0.3 s, ...'"""
-        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items())
