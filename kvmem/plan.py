@@ -9,9 +9,11 @@ The rule, stable so anyone can recompute an activation:
 - window k of a document holds ``ids[k*W:(k+1)*W]``; the model reads ``[BOS] + window`` when
   ``bos_token_id`` is set (the BOS position is never scored);
 - token ``pos`` of document ``doc`` is packed into one int64 *code* ``doc << 32 | pos``;
-- documents are grouped into *blocks* of ``block_documents`` consecutive documents; a batch holds
-  consecutive windows of one block, as many as fit ``batch_size × window`` padded positions
-  (windows × the longest of them), so short documents (sentences) share a forward without much
+- documents are grouped into *blocks* of ``block_documents`` consecutive documents; with
+  ``sort_by_length`` a block's documents are read shortest first (stable, so equal lengths keep
+  corpus order; a document's windows stay together and in order); a batch holds consecutive
+  windows of that order within one block, as many as fit ``batch_size × window`` padded positions
+  (windows × the longest of them), so short documents (sentences) share a forward with little
   padding; every batch is the same tensor whichever process computes it;
 - ``max_tokens`` cuts the stream after that many scored tokens (the last window is shortened);
 - a process with shard ``i/n`` and rank ``r`` of ``w`` takes the blocks ``b`` with
@@ -33,8 +35,8 @@ DEFAULT_WINDOW = 256
 DEFAULT_BLOCK_DOCUMENTS = 64
 RULE = ("each document is tokenized alone without special tokens; window k holds tokens "
         "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored); "
-        "a batch holds consecutive windows of one block of block_documents documents, as many as fit "
-        "batch_size * window padded positions")
+        "a batch holds consecutive windows of one block of block_documents documents (shortest document "
+        "first when sort_by_length, stable), as many as fit batch_size * window padded positions")
 
 
 def pack(doc, pos):
@@ -61,6 +63,8 @@ class TokenPlan:
     max_tokens:      scored tokens after which the stream stops (None = the whole corpus)
     block_documents: documents per block (the unit that shards and ranks share out)
     shard:           (i, n): this process's part of the blocks, for batch schedulers
+    sort_by_length:  read each block's documents shortest first, so batches of short documents
+                     are padded little (codes then no longer increase along the stream)
     """
 
     window: int
@@ -69,6 +73,7 @@ class TokenPlan:
     max_tokens: int | None = None
     block_documents: int = DEFAULT_BLOCK_DOCUMENTS
     shard: tuple[int, int] = (0, 1)
+    sort_by_length: bool = True
 
     def __post_init__(self) -> None:
         for name in ("window", "batch_size", "block_documents"):
@@ -110,7 +115,8 @@ class TokenPlan:
         return cls(window=int(data["window"]), bos_token_id=data.get("bos_token_id"),
                    batch_size=int(data.get("batch_size", 8)), max_tokens=data.get("max_tokens"),
                    block_documents=int(data.get("block_documents", DEFAULT_BLOCK_DOCUMENTS)),
-                   shard=tuple(data.get("shard", (0, 1))))
+                   shard=tuple(data.get("shard", (0, 1))),
+                   sort_by_length=bool(data.get("sort_by_length", False)))  # absent: read in corpus order
 
 
 @dataclass
@@ -140,11 +146,16 @@ def window_key(doc: int, start: int) -> int:
 
 @dataclass
 class Batch:
-    """Windows read in one forward, in reading order (codes increase along the batch)."""
+    """Windows read in one forward, in reading order.
+
+    ``ordered``: the batch's codes increase along it and exceed every code this process read
+    before (always so without ``sort_by_length``); streaming top-k can then skip tie checks.
+    """
 
     block: int
     windows: list[WindowText]
     tokens: int  # scored tokens in this batch
+    ordered: bool = True
 
 
 def document_digest(doc_id: str, text: str) -> str:
@@ -185,23 +196,40 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
     encode = _encoder(tokenizer)
     block_docs = plan.block_documents
     current_block = position.blocks_done
-    pending: list[WindowText] = []
-    pending_tokens = longest = 0
-    budget = plan.batch_size * plan.window  # padded positions per forward
+    block_windows: list[list[WindowText]] = []  # this block's documents (their windows), in corpus order
+    last_code = -1  # the highest code read so far by this process
 
-    def flush():
-        nonlocal pending, pending_tokens, longest
-        batch = Batch(current_block, pending, pending_tokens)
-        pending, pending_tokens, longest = [], 0, 0
-        return batch
+    def batches() -> Iterator[Batch]:
+        nonlocal block_windows, last_code
+        order = sorted(block_windows, key=lambda ws: sum(len(w.tokens) for w in ws)) if plan.sort_by_length \
+            else block_windows
+        block_windows = []
+        budget = plan.batch_size * plan.window  # padded positions per forward
+        pending: list[WindowText] = []
+        longest = 0
+        for window in (w for ws in order for w in ws):
+            n = len(window.tokens)
+            if pending and (len(pending) + 1) * max(longest, n) > budget:
+                yield _batch(pending)
+                pending, longest = [], 0
+            pending.append(window)
+            longest = max(longest, n)
+        if pending:
+            yield _batch(pending)
+
+    def _batch(windows: list[WindowText]) -> Batch:
+        nonlocal last_code
+        firsts = [window_key(w.doc, w.start) for w in windows]
+        ordered = firsts[0] > last_code and all(a < b for a, b in zip(firsts, firsts[1:]))
+        last_code = max(last_code, max(window_key(w.doc, w.start + len(w.tokens) - 1) for w in windows))
+        return Batch(current_block, windows, sum(len(w.tokens) for w in windows), ordered)
 
     for document in documents:
         block = document.index // block_docs
         if block < position.blocks_done:
             continue
         if block != current_block:
-            if pending:
-                yield flush()
+            yield from batches()
             position.blocks_done = block
             yield block  # every block before `block` is complete
             current_block = block
@@ -214,6 +242,7 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
         if not mine and plan.max_tokens is None:
             continue
         ids, offsets = encode(document.text)
+        windows = []
         for start in range(0, len(ids), plan.window):
             n = min(plan.window, len(ids) - start)
             if plan.max_tokens is not None:
@@ -224,13 +253,10 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
             if not mine:
                 continue
             following = ids[start + n] if start + n < len(ids) else -1
-            if pending and (len(pending) + 1) * max(longest, n) > budget:
-                yield flush()
-            longest = max(longest, n)
-            pending.append(WindowText(
+            windows.append(WindowText(
                 document.index, document.id, start, tuple(ids[start:start + n]), following, document.text,
                 tuple(offsets[start:start + n]) if offsets is not None else None))
-            pending_tokens += n
-    if pending:
-        yield flush()
+        if windows:
+            block_windows.append(windows)
+    yield from batches()
     position.finished = True

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 
 import pandas as pd
 import pytest
 
 import kvmem
 from kvmem.corpus import open_corpus
-from kvmem.plan import StreamPosition, TokenPlan, iterate_batches
+from kvmem.plan import Batch, StreamPosition, TokenPlan, iterate_batches
 
 
 def ids_and_texts(corpus):
@@ -64,12 +65,43 @@ def test_builtin_corpora():
 
 def test_window_rule(gpt2_model):
     docs = list(open_corpus(["one two three four five six seven", "eight"]))
-    plan = TokenPlan(window=3, bos_token_id=None, batch_size=2)
-    got = [w for item in iterate_batches(docs, gpt2_model.tokenizer, plan, StreamPosition())
-           if not isinstance(item, int) for w in item.windows]
     ids = gpt2_model.encode(docs[0].text)
-    assert [(w.doc, w.start, list(w.tokens)) for w in got] == [
-        (0, 0, ids[0:3]), (0, 3, ids[3:6]), (0, 6, ids[6:7]), (1, 0, gpt2_model.encode("eight"))]
+    windows = [(0, 0, ids[0:3]), (0, 3, ids[3:6]), (0, 6, ids[6:7]), (1, 0, gpt2_model.encode("eight"))]
+    for sort_by_length, expected in ((False, windows), (True, windows[3:] + windows[:3])):  # shortest document first
+        plan = TokenPlan(window=3, bos_token_id=None, batch_size=2, sort_by_length=sort_by_length)
+        got = [w for item in iterate_batches(docs, gpt2_model.tokenizer, plan, StreamPosition())
+               if not isinstance(item, int) for w in item.windows]
+        assert [(w.doc, w.start, list(w.tokens)) for w in got] == expected
+
+
+def test_length_sorted_batches(gpt2_model):
+    """Sorting by length reads the same windows with less padding; a document's windows stay together
+    and in order; ``ordered`` is true exactly when the batch's codes rise above all read before."""
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.choice([2, 3, 5, 40, 90])))
+             for _ in range(120)]
+    docs = list(open_corpus(texts))
+    runs = {}
+    for sort_by_length in (False, True):
+        plan = TokenPlan(window=32, bos_token_id=None, batch_size=4, block_documents=40, sort_by_length=sort_by_length)
+        batches = [b for b in iterate_batches(docs, gpt2_model.tokenizer, plan, StreamPosition()) if isinstance(b, Batch)]
+        last = -1
+        for batch in batches:
+            assert len(batch.windows) * max(len(w.tokens) for w in batch.windows) <= 4 * 32
+            codes = [(w.doc << 32) | (w.start + i) for w in batch.windows for i in range(len(w.tokens))]
+            assert batch.ordered == (codes[0] > last and codes == sorted(set(codes)))
+            last = max([last, *codes])
+        order = [(w.doc, w.start) for b in batches for w in b.windows]
+        by_doc: dict[int, list[int]] = {}
+        for i, (doc, start) in enumerate(order):
+            by_doc.setdefault(doc, []).append((i, start))
+        assert all([i for i, _ in v] == list(range(v[0][0], v[0][0] + len(v))) and [s for _, s in v] == sorted(s for _, s in v)
+                   for v in by_doc.values())  # contiguous, in position order
+        runs[sort_by_length] = (sorted(order), sum(len(b.windows) * max(len(w.tokens) for w in b.windows) for b in batches),
+                                [b.ordered for b in batches])
+    assert runs[True][0] == runs[False][0]  # the same windows
+    assert runs[True][1] < 0.8 * runs[False][1]  # less padding
+    assert all(runs[False][2]) and not all(runs[True][2])
 
 
 def test_plan_batches_blocks_shards_and_cut(gpt2_model):
@@ -95,7 +127,7 @@ def test_plan_batches_blocks_shards_and_cut(gpt2_model):
     cut = TokenPlan(window=4, bos_token_id=None, batch_size=2, block_documents=2, max_tokens=13, shard=(1, 2))
     got = [w for item in iterate_batches(docs, gpt2_model.tokenizer, cut, StreamPosition())
            if not isinstance(item, int) for w in item.windows]
-    whole = [w for b in batches for w in b.windows]
+    whole = sorted((w for b in batches for w in b.windows), key=lambda w: w.key)  # corpus order
     kept, seen = [], 0
     for w in whole:  # the first 13 tokens of the whole stream, of which shard 1 holds its blocks' share
         n = min(len(w.tokens), 13 - seen)
@@ -103,7 +135,7 @@ def test_plan_batches_blocks_shards_and_cut(gpt2_model):
             break
         seen += n
         kept.append((w.doc, w.start, n))
-    assert [(w.doc, w.start, len(w.tokens)) for w in got] == [k for k in kept if (k[0] // 2) % 2 == 1]
+    assert sorted((w.doc, w.start, len(w.tokens)) for w in got) == [k for k in kept if (k[0] // 2) % 2 == 1]
 
 
 def test_errors(tmp_path):

@@ -182,7 +182,7 @@ def test_queries(gpt2_model, gpt2_atlas):
         gpt2_atlas.top_neurons(token=" Parisian", tokenizer=gpt2_model.tokenizer)
 
 
-SHARDABLE = dict(top_k=K, window=WINDOW, batch_size=3, per_document=True, top_n=5, block_documents=1, progress=False)
+SHARDABLE = dict(top_k=K, window=WINDOW, batch_size=3, per_document=True, top_n=5, block_documents=2, progress=False)
 
 
 def assert_same_atlas(a, b):
@@ -215,7 +215,7 @@ def test_shards_merge_to_single_scan(gpt2_model, tmp_path):
 def test_repeated_text_ties_break_by_lowest_position(gpt2_model, tmp_path):
     """Identical lines give identical coefficients; the lowest (doc, pos) wins, in shards as in one scan."""
     docs = ["ROMEO. Speak again.", "JULIET. Ay me!", "ROMEO. Speak again.", "JULIET. Ay me!"] * 3
-    settings = {**SHARDABLE, "per_document": False, "top_k": 2}
+    settings = {**SHARDABLE, "per_document": False, "top_k": 2, "block_documents": 4}  # read out of order
     whole = kvmem.scan(gpt2_model, docs, out=tmp_path / "whole", **settings)
     shards = [kvmem.scan(gpt2_model, docs, out=tmp_path / f"s{i}", shard=(i, 3), **settings) for i in range(3)]
     assert_same_atlas(whole, kvmem.merge(shards, out=tmp_path / "merged", model=gpt2_model))
@@ -316,7 +316,7 @@ def test_torchrun_two_processes_equal_one(gpt2_dir, tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 2))
     args = ["-m", "kvmem", "scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--top-k", str(K),
-            "--window", str(WINDOW), "--batch-size", "3", "--per-document", "--top-n", "5", "--block-documents", "1",
+            "--window", str(WINDOW), "--batch-size", "3", "--per-document", "--top-n", "5", "--block-documents", "2",
             "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same per-batch arithmetic in every process
     subprocess.run([sys.executable, *args, "--out", str(tmp_path / "one")], env=env, check=True, timeout=600)

@@ -38,8 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--shard", default="0/1",
                         help="scan part i of N (blocks of --block-documents documents, block %% N == i); "
                              "then 'kvmem merge' the N atlases")
-    parser.add_argument("--block-documents", type=int, default=64,
-                        help="documents per block, the unit shards and torchrun ranks share out")
+    parser.add_argument("--block-documents", type=int, default=None,
+                        help="documents per block, the unit shards and torchrun ranks share out "
+                             "(default 64; 2048 for paragraph, line and sentence units)")
+    parser.add_argument("--no-length-sort", action="store_true",
+                        help="read each block's documents in corpus order, not shortest first (more padding)")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between checkpoints")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, window=args.window, batch_size=args.batch_size, prepend_bos=not args.no_bos,
         top_n=args.top_n, conventions=tuple(c.strip() for c in args.conventions.split(",") if c.strip()),
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
-        checkpoint_every=args.checkpoint_every, block_documents=args.block_documents)
+        checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,
+        sort_by_length=not args.no_length_sort)
     from kvmem.scanning.config import ScanConfig
 
     ScanConfig(**settings)  # validate before the model loads

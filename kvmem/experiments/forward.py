@@ -93,11 +93,12 @@ def scan_plan(model: Model, *, atlas: Atlas | None = None, window: int | None = 
 
 
 def corpus_windows(model: Model, corpus: Corpus, plan: TokenPlan) -> list[WindowText]:
-    """The windows a scan under ``plan`` reads (its shard's only), in order."""
+    """The windows a scan under ``plan`` reads (its shard's only), in corpus order (not batch order)."""
     from kvmem.plan import StreamPosition, iterate_batches
 
     out = [w for item in iterate_batches(corpus, model.tokenizer, plan, StreamPosition()) if not isinstance(item, int)
            for w in item.windows]
+    out.sort(key=lambda w: w.key)
     if not out:
         raise KvmemError(f"corpus {corpus.spec!r} gave no tokens under this plan; check the corpus")
     return out

@@ -5,8 +5,10 @@ Memory is O(layers · d_ff · top_k · context); no tensor of shape (all tokens 
 Positions are int64 codes (``kvmem.plan.pack``: doc << 32 | pos); -1 marks an empty entry.
 
 One rule orders kept triggers everywhere: most extreme coefficient first, and among equal
-coefficients the lowest code (earliest (doc, pos)) first. The streaming update relies on codes
-increasing along a process's stream; :func:`merge_states` sorts fully and needs no such order.
+coefficients the lowest code (earliest (doc, pos)) first. When a batch's codes increase along a
+process's stream (``ordered``), a stable sort realises the rule; otherwise (length-sorted
+batches, :mod:`kvmem.plan`) candidates that tie the k-th kept value are let in by code and the
+kept entries are sorted by (value, code), as :func:`merge_states` always does.
 
 Sums are kept as double-double (``hi + lo``) so that merging the states of several processes gives
 the same float64 totals, to the last bit, as one process adding the same batches in order.
@@ -57,21 +59,31 @@ class Side:
         """The value a new coefficient must beat (strictly) to enter: the k-th kept one [F]."""
         return self.values[-1]
 
-    def insert(self, values: Tensor, codes: Tensor, context: Tensor, columns: Tensor | None = None) -> None:
+    def tie_codes(self) -> Tensor:
+        """The code a candidate equal to the threshold must be below to enter [F] (-1 where empty)."""
+        return self.codes[-1]
+
+    def insert(self, values: Tensor, codes: Tensor, context: Tensor, columns: Tensor | None = None, *,
+               ordered: bool = True) -> None:
         """Fold candidates in: values, codes [c, U], context [c, U, C] for neurons ``columns`` [U]
-        (None = all). Candidates must have higher codes than every kept entry, and be in code
-        order down each column: a stable sort then realises the tie rule."""
+        (None = all). ``ordered``: the candidates have higher codes than every kept entry and are in
+        code order down each column, so a stable sort by value realises the tie rule; otherwise
+        entries are sorted by (value, code)."""
         k = self.values.shape[0]
         if columns is None:
             old_v, old_c, old_x = self.values, self.codes, self.context
         else:
             old_v, old_c, old_x = self.values[:, columns], self.codes[:, columns], self.context[:, columns]
-        all_v = torch.cat([old_v, values])
-        order = torch.argsort(all_v, dim=0, descending=self.largest, stable=True)[:k]  # [k, U]
-        new_v = all_v.gather(0, order)
-        new_c = torch.cat([old_c, codes]).gather(0, order)
-        all_x = torch.cat([old_x, context])
-        new_x = all_x.gather(0, order[:, :, None].expand(-1, -1, all_x.shape[2]))
+        if ordered:
+            all_v = torch.cat([old_v, values])
+            order = torch.argsort(all_v, dim=0, descending=self.largest, stable=True)[:k]  # [k, U]
+            new_v = all_v.gather(0, order)
+            new_c = torch.cat([old_c, codes]).gather(0, order)
+            all_x = torch.cat([old_x, context])
+            new_x = all_x.gather(0, order[:, :, None].expand(-1, -1, all_x.shape[2]))
+        else:
+            new_v, new_c, new_x = _sort_full(torch.cat([old_v, values]), torch.cat([old_c, codes]),
+                                             torch.cat([old_x, context]), k, self.largest)
         if columns is None:
             self.values, self.codes, self.context = new_v, new_c, new_x
         else:
@@ -233,19 +245,21 @@ def _column_sum(values: Tensor) -> Tensor:
 
 
 def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *, docs: Tensor | None = None,
-           keys: Tensor | None = None) -> None:
+           keys: Tensor | None = None, ordered: bool = True) -> None:
     """Fold one batch of coefficients into the state.
 
-    acts [N, F] float32, the scored positions in reading order; codes [N] int64, increasing;
-    context_fn gives each candidate's context coefficients; docs [N] document indices
-    (non-decreasing; needed only with per_document); keys [N] the positions' sampling keys
-    (:func:`kvmem.scanning.sampling.position_keys`; needed only with samples).
+    acts [N, F] float32, the scored positions in reading order; codes [N] int64; ``ordered``:
+    codes increase along the batch and exceed every code folded in before (the fast path);
+    context_fn gives each candidate's context coefficients; docs [N] document indices (each
+    document's rows contiguous and in position order; needed only with per_document); keys [N]
+    the positions' sampling keys (:func:`kvmem.scanning.sampling.position_keys`; needed only
+    with samples).
     """
     if acts.shape[0] == 0:
         return
     acts = acts.float()
     for side in (state.top, state.bottom):
-        _stream_side(side, acts, codes, context_fn)
+        _stream_side(side, acts, codes, context_fn, ordered)
 
     state.count += acts.shape[0]
     _two_sum_into(state.total, _column_sum(acts))
@@ -256,18 +270,21 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
     state.positive += positive_counts(per_code, acts)
 
     if state.doc_top is not None:
-        _update_per_document(state, acts, codes, docs, context_fn)
+        _update_per_document(state, acts, codes, docs, context_fn, ordered)
     if state.random is not None:
         state.random.update(acts, codes, keys, context_fn)
     if state.bins is not None:
         state.bins.update(acts, codes, keys)
 
 
-def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn) -> None:
-    """Insert the positions that beat the side's current k-th value (sparse: few do after a while)."""
+def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool = True) -> None:
+    """Insert the positions that beat the side's current k-th value (sparse: few do after a while);
+    unless ``ordered``, also those that tie it with a lower code."""
     k, d_ff = side.values.shape
     threshold = side.threshold()
     mask = acts > threshold if side.largest else acts < threshold  # [N, F]
+    if not ordered:
+        mask |= (acts == threshold) & (codes[:, None] < side.tie_codes())
     if acts.shape[0] > k and bool(torch.isinf(threshold).any()):  # not yet full: cut to this batch's k best
         kth = torch.topk(acts, k, dim=0, largest=side.largest, sorted=False).values
         mask &= (acts >= kth.min(0).values) if side.largest else (acts <= kth.max(0).values)
@@ -291,7 +308,7 @@ def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn)
     new_codes[rank, col] = codes[rows]
     context = torch.full((depth, columns.numel(), width), float("nan"), dtype=torch.float32, device=acts.device)
     context[rank, col] = context_fn(rows, neurons)
-    side.insert(values, new_codes, context, None if columns.numel() == d_ff else columns)
+    side.insert(values, new_codes, context, None if columns.numel() == d_ff else columns, ordered=ordered)
 
 
 def _segment_best(acts: Tensor, segment: Tensor, n_segments: int, *, largest: bool) -> tuple[Tensor, Tensor]:
@@ -310,7 +327,8 @@ def _segment_best(acts: Tensor, segment: Tensor, n_segments: int, *, largest: bo
     return best, first
 
 
-def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor, context_fn: ContextFn) -> None:
+def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor, context_fn: ContextFn,
+                         ordered: bool = True) -> None:
     unique_docs, segment = torch.unique_consecutive(docs, return_inverse=True)
     n = unique_docs.shape[0]
     F = acts.shape[1]
@@ -333,7 +351,7 @@ def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: T
     if n > 1:  # every document but the last is complete, in code order
         for largest, side in ((True, state.doc_top), (False, state.doc_bottom)):
             seg = found[largest]
-            side.insert(seg.values[:-1], seg.codes[:-1], seg.context[:-1])
+            side.insert(seg.values[:-1], seg.codes[:-1], seg.context[:-1], ordered=ordered)
     state.open_doc = int(unique_docs[-1])
     state.open_top = Side(found[True].values[-1:], found[True].codes[-1:], found[True].context[-1:], True)
     state.open_bottom = Side(found[False].values[-1:], found[False].codes[-1:], found[False].context[-1:], False)
@@ -343,8 +361,10 @@ def close_open_document(state: LayerState) -> None:
     """Move the open document's best into the per-document top-k (at the end of a stream)."""
     if state.doc_top is None or state.open_doc == EMPTY:
         return
-    state.doc_top.insert(state.open_top.values, state.open_top.codes, state.open_top.context)
-    state.doc_bottom.insert(state.open_bottom.values, state.open_bottom.codes, state.open_bottom.context)
+    # the open document's code need not exceed the kept ones' (length-sorted batches): sort fully
+    state.doc_top.insert(state.open_top.values, state.open_top.codes, state.open_top.context, ordered=False)
+    state.doc_bottom.insert(state.open_bottom.values, state.open_bottom.codes, state.open_bottom.context,
+                            ordered=False)
     state.open_doc = EMPTY
     state.open_top = state.open_bottom = None
 

@@ -6,8 +6,12 @@ from dataclasses import asdict, dataclass, fields
 
 from kvmem.conventions import CONVENTIONS
 from kvmem.errors import KvmemError
+from kvmem.plan import DEFAULT_BLOCK_DOCUMENTS
 
-__all__ = ["ScanConfig", "parse_shard"]
+__all__ = ["ScanConfig", "parse_shard", "BLOCK_DOCUMENTS_BY_UNIT"]
+
+# short units need big blocks: a batch never spans a block, and sorting by length works within one
+BLOCK_DOCUMENTS_BY_UNIT = {"document": DEFAULT_BLOCK_DOCUMENTS, "paragraph": 2048, "line": 2048, "sentence": 2048}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +31,10 @@ class ScanConfig:
     conventions:      value projection conventions (see kvmem.conventions.CONVENTIONS)
     key_projections:  also project key (and gate) vectors through the input embedding
     shard:            (i, n): scan the blocks of documents b with b % n == i (see kvmem.plan)
-    block_documents:  documents per block, the unit that shards and ranks share out
+    block_documents:  documents per block, the unit that shards and ranks share out (None: 64, or 2048 when
+                      the corpus unit is a paragraph, line or sentence, so that sorting by length has
+                      enough documents to group)
+    sort_by_length:   read each block's documents shortest first (far less padding for short units)
     random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.sampling
     bin_samples:      positions kept per neuron and histogram bin, for quantile samples (0 = none)
     sample_rate:      fraction of positions the bin samples draw from (bounds their per-token cost)
@@ -49,7 +56,8 @@ class ScanConfig:
     conventions: tuple[str, ...] = ("raw", "final_norm")
     key_projections: bool = True
     shard: tuple[int, int] = (0, 1)
-    block_documents: int = 64
+    block_documents: int | None = None
+    sort_by_length: bool = True
     random_samples: int = 20
     bin_samples: int = 4
     sample_rate: float = 0.125
@@ -69,7 +77,7 @@ class ScanConfig:
         positive("max_tokens", self.max_tokens, allow_none=True)
         positive("window", self.window, allow_none=True)
         positive("checkpoint_every", self.checkpoint_every, allow_none=True)
-        positive("block_documents", self.block_documents)
+        positive("block_documents", self.block_documents, allow_none=True)
         for name in ("random_samples", "bin_samples", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -107,6 +115,12 @@ class ScanConfig:
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+    def block_documents_for(self, unit: str) -> int:
+        """Documents per block for a corpus split into ``unit``s (the setting, or its default)."""
+        if self.block_documents is not None:
+            return self.block_documents
+        return BLOCK_DOCUMENTS_BY_UNIT.get(unit, DEFAULT_BLOCK_DOCUMENTS)
 
     @property
     def context_width(self) -> int:

@@ -75,13 +75,14 @@ def resolve_window(model: Model, config: ScanConfig) -> int:
     return window
 
 
-def token_plan(model: Model, config: ScanConfig) -> TokenPlan:
-    """The tokenization plan of a scan of ``model`` under ``config``."""
+def token_plan(model: Model, config: ScanConfig, unit: str = "document") -> TokenPlan:
+    """The tokenization plan of a scan of ``model`` under ``config``, over a corpus of ``unit``s."""
     bos = model.bos_token_id if config.prepend_bos else None
     if config.prepend_bos and bos is None:
         raise KvmemError(f"the tokenizer of {model.name} has no BOS token; scan with prepend_bos=False (--no-bos)")
     return TokenPlan(window=resolve_window(model, config), bos_token_id=bos, batch_size=config.batch_size,
-                     max_tokens=config.max_tokens, block_documents=config.block_documents, shard=config.shard)
+                     max_tokens=config.max_tokens, block_documents=config.block_documents_for(unit), shard=config.shard,
+                     sort_by_length=config.sort_by_length)
 
 
 def _check_layers(model: Model, config: ScanConfig) -> list[int]:
@@ -118,7 +119,7 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
     layers = _check_layers(model, config)
-    plan = token_plan(model, config)
+    plan = token_plan(model, config, corpus.unit)
     rank, world = distributed.rank_and_world(model.device)
     phases = Phases(progress and rank == 0)  # one set of bars, rank 0's
 
@@ -167,7 +168,7 @@ def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "do
     state = _fresh_state(model, config, _check_layers(model, config))
     phases = Phases(progress)
     with phases.phase("stream", unit="tok", total=config.max_tokens) as bar:
-        _stream(model, corpus, token_plan(model, config), config, state, rank=0, world=1, bar=bar, checkpoint=None)
+        _stream(model, corpus, token_plan(model, config, corpus.unit), config, state, rank=0, world=1, bar=bar, checkpoint=None)
     return state
 
 
@@ -239,8 +240,8 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
     starts = torch.tensor([w.start for w in batch.windows])
     docs_w = torch.tensor([w.doc for w in batch.windows])
     positions = starts[window_of] + torch.arange(len(window_of)) - first_row[window_of]
-    doc_of = docs_w[window_of].to(device)  # [N], non-decreasing
-    codes = pack(doc_of, positions.to(device))  # [N], increasing
+    doc_of = docs_w[window_of].to(device)  # [N], each document's rows contiguous
+    codes = pack(doc_of, positions.to(device))  # [N], increasing when batch.ordered
     low = first_row[window_of].to(device)  # [N] first flat row of each row's window
     high = (first_row + lengths_t)[window_of].to(device)
     steps = torch.arange(-config.context_before, config.context_after + 1, device=device)
@@ -259,7 +260,7 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
             got = acts[around.clamp(0, n_rows - 1), neurons[:, None]]
             return torch.where(inside, got, torch.full_like(got, float("nan")))
 
-        update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of, keys=keys)
+        update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of, keys=keys, ordered=batch.ordered)
 
     capture_coefficients(model, ids, state.layers, on_coefficients)
     state.texts.add(batch.windows)

@@ -78,15 +78,15 @@ class RandomSample:
                    torch.full((size, d_ff, width), float("nan"), dtype=torch.float32, device=device), seed)
 
     def update(self, acts: Tensor, codes: Tensor, keys: Tensor, context_fn) -> None:
-        """acts [N, F]; codes, keys [N]: this batch's positions (codes above every kept one)."""
+        """acts [N, F]; codes, keys [N]: this batch's positions (in any code order)."""
         size, d_ff = self.values.shape
         if size == 0:
             return
         own = _keys_or_none(self.codes, self.seed)
-        rows = (keys < own[-1]).nonzero().squeeze(1)  # beats the size-th smallest key so far
+        rows = (keys <= own[-1]).nonzero().squeeze(1)  # may beat the size-th (key, code) so far
         if rows.numel() == 0:
             return
-        rows = rows[torch.argsort(keys[rows], stable=True)[:size]]
+        rows = rows[_order(keys[rows], codes[rows], 0)[:size]]
         n = rows.numel()
         neurons = torch.arange(d_ff, device=acts.device)
         context = context_fn(rows.repeat_interleave(d_ff), neurons.repeat(n)).view(n, d_ff, -1)
@@ -132,13 +132,13 @@ class BinSample:
         rows = (keys < self.limit()).nonzero().squeeze(1)  # the thinned positions
         if rows.numel() == 0:
             return
-        rows = rows[torch.argsort(keys[rows], stable=True)]  # by key: candidates come out in key order
+        rows = rows[_order(keys[rows], codes[rows], 0)]  # by (key, code): candidates come out in that order
         row_keys = keys[rows]
         sub = acts[rows]  # [r, F]
         cell = bin_of(sub) + torch.arange(d_ff, device=acts.device) * bins  # [r, F] flat (neuron, bin)
         if self._last is None:  # the key each (neuron, bin) must beat, kept up to date below
             self._last = _keys_or_none(self.codes[:, :, -1].reshape(-1), self.seed)  # [F*B]
-        at_row, at_neuron = (row_keys[:, None] < self._last[cell]).nonzero(as_tuple=True)  # by key
+        at_row, at_neuron = (row_keys[:, None] <= self._last[cell]).nonzero(as_tuple=True)  # by (key, code)
         if at_row.numel() == 0:
             return
         cand_cell = cell[at_row, at_neuron]
