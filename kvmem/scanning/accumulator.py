@@ -34,19 +34,25 @@ EMPTY = -1
 ContextFn = Callable[[Tensor, Tensor], Tensor]
 
 
-@dataclass
 class Side:
     """The k most extreme coefficients of each neuron on one side, sorted (rank 0 = most extreme).
 
     values [k, F] float32 (∓inf where empty); codes [k, F] int64 (-1 where empty);
     context [k, F, C] float32: the neuron's coefficients at the C context tokens around the
-    trigger (NaN outside the window the model read).
+    trigger (NaN outside the window the model read, and for empty entries).
+
+    The context rows live in an append-only pool; kept entries hold their row's index (row 0 is
+    all NaN), so reordering entries moves one integer each, not C floats. The pool is compacted
+    to the live rows when it fills.
     """
 
-    values: Tensor
-    codes: Tensor
-    context: Tensor
-    largest: bool
+    def __init__(self, values: Tensor, codes: Tensor, context: Tensor, largest: bool):
+        k, d_ff, width = context.shape
+        self.values, self.codes, self.largest = values, codes, largest
+        self._pool = torch.full((1 + 2 * k * d_ff, width), float("nan"), dtype=torch.float32, device=values.device)
+        self._pool[1:1 + k * d_ff] = context.reshape(k * d_ff, width)
+        self._used = 1 + k * d_ff
+        self.slots = torch.arange(1, 1 + k * d_ff, device=values.device).view(k, d_ff)  # [k, F] pool rows
 
     @classmethod
     def empty(cls, k: int, d_ff: int, width: int, *, largest: bool, device) -> Side:
@@ -54,6 +60,15 @@ class Side:
         return cls(torch.full((k, d_ff), fill, dtype=torch.float32, device=device),
                    torch.full((k, d_ff), EMPTY, dtype=torch.int64, device=device),
                    torch.full((k, d_ff, width), float("nan"), dtype=torch.float32, device=device), largest)
+
+    @property
+    def context(self) -> Tensor:
+        """[k, F, C] (materialised from the pool)."""
+        return self._pool[self.slots]
+
+    @property
+    def width(self) -> int:
+        return self._pool.shape[1]
 
     def threshold(self) -> Tensor:
         """The value a new coefficient must beat (strictly) to enter: the k-th kept one [F]."""
@@ -63,49 +78,66 @@ class Side:
         """The code a candidate equal to the threshold must be below to enter [F] (-1 where empty)."""
         return self.codes[-1]
 
-    def insert(self, values: Tensor, codes: Tensor, context: Tensor, columns: Tensor | None = None, *,
-               ordered: bool = True) -> None:
-        """Fold candidates in: values, codes [c, U], context [c, U, C] for neurons ``columns`` [U]
-        (None = all). ``ordered``: the candidates have higher codes than every kept entry and are in
-        code order down each column, so a stable sort by value realises the tie rule; otherwise
+    def add_context(self, rows: Tensor) -> Tensor:
+        """Append context rows [n, C] to the pool -> their pool indices [n]."""
+        n = rows.shape[0]
+        if self._used + n > self._pool.shape[0]:
+            self._compact(n)
+        index = torch.arange(self._used, self._used + n, device=rows.device)
+        self._pool[self._used:self._used + n] = rows
+        self._used += n
+        return index
+
+    def _compact(self, room: int) -> None:
+        """Keep only the rows kept entries point to (row 0 stays the NaN row); make room for ``room`` more."""
+        live = self.slots.reshape(-1)
+        size = max(self._pool.shape[0], 1 + 2 * (live.numel() + room))
+        pool = torch.full((size, self.width), float("nan"), dtype=torch.float32, device=self._pool.device)
+        pool[1:1 + live.numel()] = self._pool[live]
+        self.slots = torch.arange(1, 1 + live.numel(), device=live.device).view_as(self.slots)
+        self._pool, self._used = pool, 1 + live.numel()
+
+    def insert(self, values: Tensor, codes: Tensor, context: Tensor | None = None, columns: Tensor | None = None, *,
+               ordered: bool = True, slots: Tensor | None = None) -> None:
+        """Fold candidates in: values, codes [c, U] for neurons ``columns`` [U] (None = all), with
+        their context [c, U, C], or ``slots`` [c, U] from :meth:`add_context` (0 = none).
+        ``ordered``: the candidates have higher codes than every kept entry and are in code
+        order down each column, so a stable sort by value realises the tie rule; otherwise
         entries are sorted by (value, code)."""
         k = self.values.shape[0]
+        if slots is None:
+            slots = self.add_context(context.reshape(-1, context.shape[-1])).view(values.shape)
         if columns is None:
-            old_v, old_c, old_x = self.values, self.codes, self.context
+            old_v, old_c, old_s = self.values, self.codes, self.slots
         else:
-            old_v, old_c, old_x = self.values[:, columns], self.codes[:, columns], self.context[:, columns]
+            old_v, old_c, old_s = self.values[:, columns], self.codes[:, columns], self.slots[:, columns]
+        all_v, all_c, all_s = torch.cat([old_v, values]), torch.cat([old_c, codes]), torch.cat([old_s, slots])
         if ordered:
-            all_v = torch.cat([old_v, values])
             order = torch.argsort(all_v, dim=0, descending=self.largest, stable=True)[:k]  # [k, U]
-            new_v = all_v.gather(0, order)
-            new_c = torch.cat([old_c, codes]).gather(0, order)
-            all_x = torch.cat([old_x, context])
-            new_x = all_x.gather(0, order[:, :, None].expand(-1, -1, all_x.shape[2]))
         else:
-            new_v, new_c, new_x = _sort_full(torch.cat([old_v, values]), torch.cat([old_c, codes]),
-                                             torch.cat([old_x, context]), k, self.largest)
+            order = _order_full(all_v, all_c, k, self.largest)
+        new_v, new_c, new_s = all_v.gather(0, order), all_c.gather(0, order), all_s.gather(0, order)
         if columns is None:
-            self.values, self.codes, self.context = new_v, new_c, new_x
+            self.values, self.codes, self.slots = new_v, new_c, new_s
         else:
-            self.values[:, columns], self.codes[:, columns], self.context[:, columns] = new_v, new_c, new_x
+            self.values[:, columns], self.codes[:, columns], self.slots[:, columns] = new_v, new_c, new_s
 
 
-def _sort_full(values: Tensor, codes: Tensor, context: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Keep the k first of each column under (value, then code ascending); empties last. [m, F] -> [k, F]."""
+def _order_full(values: Tensor, codes: Tensor, k: int, largest: bool) -> Tensor:
+    """Indices [k, F] of the k first of each column of [m, F] under (value, then code ascending); empties last."""
     sort_codes = torch.where(codes < 0, torch.iinfo(torch.int64).max, codes)
     by_code = torch.argsort(sort_codes, dim=0, stable=True)
-    values, codes = values.gather(0, by_code), codes.gather(0, by_code)
-    context = context.gather(0, by_code[:, :, None].expand(-1, -1, context.shape[2]))
-    by_value = torch.argsort(values, dim=0, descending=largest, stable=True)[:k]
-    return (values.gather(0, by_value), codes.gather(0, by_value),
-            context.gather(0, by_value[:, :, None].expand(-1, -1, context.shape[2])))
+    by_value = torch.argsort(values.gather(0, by_code), dim=0, descending=largest, stable=True)[:k]
+    return by_code.gather(0, by_value)
 
 
 def _merge_sides(a: Side, b: Side) -> Side:
     k = a.values.shape[0]
-    v, c, x = _sort_full(torch.cat([a.values, b.values]), torch.cat([a.codes, b.codes]),
-                         torch.cat([a.context, b.context]), k, a.largest)
-    return Side(v, c, x, a.largest)
+    values, codes = torch.cat([a.values, b.values]), torch.cat([a.codes, b.codes])
+    context = torch.cat([a.context, b.context])
+    order = _order_full(values, codes, k, a.largest)
+    return Side(values.gather(0, order), codes.gather(0, order),
+                context.gather(0, order[:, :, None].expand(-1, -1, context.shape[2])), a.largest)
 
 
 @dataclass
@@ -244,6 +276,7 @@ def _column_sum(values: Tensor) -> Tensor:
     return total + values[full:].sum(dim=0, dtype=torch.float64) if full < n else total
 
 
+@torch.inference_mode()  # no autograd; pools written in and out of the forward alike
 def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *, docs: Tensor | None = None,
            keys: Tensor | None = None, ordered: bool = True) -> None:
     """Fold one batch of coefficients into the state.
@@ -258,8 +291,9 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
     if acts.shape[0] == 0:
         return
     acts = acts.float()
-    for side in (state.top, state.bottom):
-        _stream_side(side, acts, codes, context_fn, ordered)
+    low, high = _block_extremes(acts)
+    _stream_side(state.top, acts, codes, context_fn, ordered, high)
+    _stream_side(state.bottom, acts, codes, context_fn, ordered, low)
 
     state.count += acts.shape[0]
     _two_sum_into(state.total, _column_sum(acts))
@@ -277,38 +311,102 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
         state.bins.update(acts, codes, keys)
 
 
-def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool = True) -> None:
+_ROWS = 32  # rows per block of the candidate search's block extremes
+
+
+def _block_extremes(acts: Tensor) -> tuple[Tensor, Tensor]:
+    """(min, max) of every block of _ROWS rows, per neuron: [ceil(N / _ROWS), F] each (one pass)."""
+    n, width = acts.shape
+    full = n - n % _ROWS
+    blocks = acts[:full].view(-1, _ROWS, width)
+    low, high = blocks.amin(dim=1), blocks.amax(dim=1)  # (aminmax over dim 1 takes a slow path: 20x)
+    if full < n:
+        tail_low, tail_high = acts[full:].amin(dim=0), acts[full:].amax(dim=0)
+        low, high = torch.cat([low, tail_low[None]]), torch.cat([high, tail_high[None]])
+    return low, high
+
+
+def _candidates(side: Side, acts: Tensor, codes: Tensor, extremes: Tensor, ordered: bool) -> tuple[Tensor, Tensor]:
+    """(rows, neurons) [c] of the positions that enter the side, by row within each neuron's run.
+
+    Only blocks whose extreme reaches the threshold are read row by row, so after the first
+    batches (when few positions beat the k-th kept value) the search costs one pass over the
+    block extremes, not a comparison and a nonzero over all N × F coefficients.
+    """
+    threshold = side.threshold()
+    if ordered:  # a tie never enters
+        reach = extremes > threshold if side.largest else extremes < threshold  # [blocks, F]
+    else:  # a tie may (checked by code below)
+        reach = extremes >= threshold if side.largest else extremes <= threshold
+    block, neurons = reach.nonzero(as_tuple=True)
+    rows = block[:, None] * _ROWS + torch.arange(_ROWS, device=acts.device)  # [P, _ROWS]
+    inside = rows < acts.shape[0]
+    rows = rows.clamp(max=acts.shape[0] - 1)
+    values = acts[rows, neurons[:, None]]
+    limit = threshold[neurons][:, None]
+    enters = (values > limit) if side.largest else (values < limit)
+    if not ordered:
+        enters |= (values == limit) & (codes[rows] < side.tie_codes()[neurons][:, None])
+    pair, offset = (enters & inside).nonzero(as_tuple=True)
+    return rows[pair, offset], neurons[pair]
+
+
+def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool = True,
+                 extremes: Tensor | None = None) -> None:
     """Insert the positions that beat the side's current k-th value (sparse: few do after a while);
-    unless ``ordered``, also those that tie it with a lower code."""
+    unless ``ordered``, also those that tie it with a lower code. ``extremes``: the batch's
+    block maxima (top) or minima (bottom) from :func:`_block_extremes`."""
     k, d_ff = side.values.shape
     threshold = side.threshold()
-    mask = acts > threshold if side.largest else acts < threshold  # [N, F]
-    if not ordered:
-        mask |= (acts == threshold) & (codes[:, None] < side.tie_codes())
     if acts.shape[0] > k and bool(torch.isinf(threshold).any()):  # not yet full: cut to this batch's k best
+        mask = acts > threshold if side.largest else acts < threshold  # [N, F]
         kth = torch.topk(acts, k, dim=0, largest=side.largest, sorted=False).values
         mask &= (acts >= kth.min(0).values) if side.largest else (acts <= kth.max(0).values)
-    rows, neurons = mask.nonzero(as_tuple=True)  # by row, so by code
+        if not ordered:
+            mask |= (acts == threshold) & (codes[:, None] < side.tie_codes())
+        rows, neurons = mask.nonzero(as_tuple=True)  # by row, so by code
+    else:
+        if extremes is None:
+            low, high = _block_extremes(acts)
+            extremes = high if side.largest else low
+        rows, neurons = _candidates(side, acts, codes, extremes, ordered)
+    _fold(side, rows, neurons, lambda r, n: acts[r, n], lambda r, n: codes[r], context_fn, ordered)
+
+
+def _fold(side: Side, rows: Tensor, neurons: Tensor, value_of, code_of, context_of: ContextFn, ordered: bool) -> None:
+    """Insert the candidates (rows[i], neurons[i]) [c] (in row order within each neuron) into ``side``:
+    ``value_of``/``code_of``/``context_of`` give their values [c], codes [c] and context [c, C]."""
     if rows.numel() == 0:
         return
-    by_neuron = torch.argsort(neurons, stable=True)  # by neuron, keeping the code order within each
+    d_ff = side.values.shape[1]
+    by_neuron = torch.argsort(neurons, stable=True)  # by neuron, keeping the row order within each
     rows, neurons = rows[by_neuron], neurons[by_neuron]
     counts = torch.bincount(neurons, minlength=d_ff)
     columns = counts.nonzero().squeeze(1)  # [U] neurons with candidates
-    column_of = torch.full((d_ff,), -1, dtype=torch.int64, device=acts.device)
-    column_of[columns] = torch.arange(columns.numel(), device=acts.device)
+    column_of = torch.full((d_ff,), -1, dtype=torch.int64, device=rows.device)
+    column_of[columns] = torch.arange(columns.numel(), device=rows.device)
     starts = counts.cumsum(0) - counts
-    rank = torch.arange(rows.numel(), device=acts.device) - starts[neurons]
-    depth, width = int(counts.max()), side.context.shape[2]
+    rank = torch.arange(rows.numel(), device=rows.device) - starts[neurons]
+    depth = int(counts.max())
     col = column_of[neurons]
     fill = float("-inf") if side.largest else float("inf")
-    values = torch.full((depth, columns.numel()), fill, dtype=torch.float32, device=acts.device)
-    values[rank, col] = acts[rows, neurons]
-    new_codes = torch.full((depth, columns.numel()), EMPTY, dtype=torch.int64, device=acts.device)
-    new_codes[rank, col] = codes[rows]
-    context = torch.full((depth, columns.numel(), width), float("nan"), dtype=torch.float32, device=acts.device)
-    context[rank, col] = context_fn(rows, neurons)
-    side.insert(values, new_codes, context, None if columns.numel() == d_ff else columns, ordered=ordered)
+    values = torch.full((depth, columns.numel()), fill, dtype=torch.float32, device=rows.device)
+    values[rank, col] = value_of(rows, neurons)
+    new_codes = torch.full((depth, columns.numel()), EMPTY, dtype=torch.int64, device=rows.device)
+    new_codes[rank, col] = code_of(rows, neurons)
+    slots = torch.zeros((depth, columns.numel()), dtype=torch.int64, device=rows.device)  # 0: the NaN row
+    slots[rank, col] = side.add_context(context_of(rows, neurons))
+    side.insert(values, new_codes, None, None if columns.numel() == d_ff else columns, ordered=ordered, slots=slots)
+
+
+def _fold_entries(side: Side, values: Tensor, codes: Tensor, context: Tensor, ordered: bool) -> None:
+    """Insert a few entries per neuron: values, codes [m, F] (m small: one per document), context [m, F, C];
+    only those that beat (or, by a lower code, tie) the side's k-th are touched."""
+    threshold, tie = side.threshold(), side.tie_codes()
+    beats = values > threshold if side.largest else values < threshold
+    rows, neurons = (beats | ((values == threshold) & (codes < tie))).nonzero(as_tuple=True)
+    _fold(side, rows, neurons, lambda r, n: values[r, n], lambda r, n: codes[r, n], lambda r, n: context[r, n],
+          ordered)
 
 
 def _segment_best(acts: Tensor, segment: Tensor, n_segments: int, *, largest: bool) -> tuple[Tensor, Tensor]:
@@ -333,42 +431,43 @@ def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: T
     n = unique_docs.shape[0]
     F = acts.shape[1]
     neurons = torch.arange(F, device=acts.device).expand(n, -1).reshape(-1)
-    found: dict[bool, Side] = {}
+    found: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}  # each document's best: values, codes [n, F], context [n, F, C]
     for largest in (True, False):
         best, rows = _segment_best(acts, segment, n, largest=largest)
-        context = context_fn(rows.reshape(-1), neurons).view(n, F, -1)
-        found[largest] = Side(best, codes[rows], context, largest)
+        found[largest] = (best, codes[rows], context_fn(rows.reshape(-1), neurons).view(n, F, -1))
     first_doc = int(unique_docs[0])
     if state.open_doc == first_doc:  # the open document continues: its earlier best wins ties (lower code)
         for largest, open_side in ((True, state.open_top), (False, state.open_bottom)):
-            seg = found[largest]
-            merged = Side(seg.values[:1].clone(), seg.codes[:1].clone(), seg.context[:1].clone(), largest)
-            earlier = Side(open_side.values.clone(), open_side.codes.clone(), open_side.context.clone(), largest)
-            earlier.insert(merged.values, merged.codes, merged.context)
-            seg.values[0], seg.codes[0], seg.context[0] = earlier.values[0], earlier.codes[0], earlier.context[0]
+            values, doc_codes, context = found[largest]
+            earlier_v, earlier_c, earlier_x = open_side.values[0], open_side.codes[0], open_side.context[0]
+            later = values[0] > earlier_v if largest else values[0] < earlier_v  # [F] strictly better
+            values[0] = torch.where(later, values[0], earlier_v)
+            doc_codes[0] = torch.where(later, doc_codes[0], earlier_c)
+            context[0] = torch.where(later[:, None], context[0], earlier_x)
     elif state.open_doc != EMPTY:  # the open document ended with the previous batch
         close_open_document(state)
-    if n > 1:  # every document but the last is complete, in code order
+    if n > 1:  # every document but the last is complete
         for largest, side in ((True, state.doc_top), (False, state.doc_bottom)):
-            seg = found[largest]
-            side.insert(seg.values[:-1], seg.codes[:-1], seg.context[:-1], ordered=ordered)
+            values, doc_codes, context = found[largest]
+            _fold_entries(side, values[:-1], doc_codes[:-1], context[:-1], ordered)
     state.open_doc = int(unique_docs[-1])
-    state.open_top = Side(found[True].values[-1:], found[True].codes[-1:], found[True].context[-1:], True)
-    state.open_bottom = Side(found[False].values[-1:], found[False].codes[-1:], found[False].context[-1:], False)
+    state.open_top, state.open_bottom = (Side(v[-1:], c[-1:], x[-1:], largest)
+                                         for largest, (v, c, x) in ((True, found[True]), (False, found[False])))
 
 
+@torch.inference_mode()  # no autograd; pools written in and out of the forward alike
 def close_open_document(state: LayerState) -> None:
     """Move the open document's best into the per-document top-k (at the end of a stream)."""
     if state.doc_top is None or state.open_doc == EMPTY:
         return
     # the open document's code need not exceed the kept ones' (length-sorted batches): sort fully
-    state.doc_top.insert(state.open_top.values, state.open_top.codes, state.open_top.context, ordered=False)
-    state.doc_bottom.insert(state.open_bottom.values, state.open_bottom.codes, state.open_bottom.context,
-                            ordered=False)
+    for side, open_side in ((state.doc_top, state.open_top), (state.doc_bottom, state.open_bottom)):
+        _fold_entries(side, open_side.values, open_side.codes, open_side.context, ordered=False)
     state.open_doc = EMPTY
     state.open_top = state.open_bottom = None
 
 
+@torch.inference_mode()  # no autograd; pools written in and out of the forward alike
 def merge_states(a: LayerState, b: LayerState) -> LayerState:
     """The state one stream over both inputs gives (a and b saw disjoint documents, any order).
 
