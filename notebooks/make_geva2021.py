@@ -80,6 +80,15 @@ OUT = Path(os.environ.get("KVMEM_NOTEBOOK_OUT") or os.environ.get("KVMEM_NOTEBOO
            or tempfile.mkdtemp(prefix="kvmem-geva2021-"))
 SAVED = os.environ.get("KVMEM_GEVA2021_RESULTS")  # a results directory to draw from instead of computing
 RESULTS = Path(SAVED) if SAVED else OUT / "results"
+FIGURES = os.environ.get("KVMEM_GEVA2021_FIGURES")  # a directory to save every figure into as PNG (docs/figures)
+
+
+def save(ax, name: str) -> None:  # the figure as FIGURES/geva2021_<name>.png when FIGURES is set
+    if FIGURES:
+        Path(FIGURES).mkdir(parents=True, exist_ok=True)
+        ax.figure.savefig(Path(FIGURES) / f"geva2021_{name}.png", dpi=110, bbox_inches="tight")
+
+
 pd.set_option("display.precision", 4)
 pd.set_option("display.width", 160)
 print(f"{MODEL} on {CORPUS} ({UNIT}s), {TOKENS:,} tokens, fast={FAST}; results in {RESULTS}")
@@ -130,7 +139,7 @@ means a weaker memory. `max_abs_error` checks that the unmodified recomputation 
 """),
     code("""
 display(results["token_removal"])
-ax = E.plot_token_removal(results["token_removal"])
+save(E.plot_token_removal(results["token_removal"]), "token_removal")
 """),
     md("""
 ## 2. Agreement (sec. 4, fig. 4)
@@ -144,7 +153,7 @@ agreement = results["agreement"]
 display(agreement[["convention", "side", "layer", "neurons", "agree_top1", "agree_top1_ci_low", "agree_top1_ci_high",
                    "null_top1", "agree_top25" if "agree_top25" in agreement else "agree_top1", "self_top1"]])
 for convention in agreement.convention.unique():
-    ax = E.plot_agreement(agreement, convention=convention)
+    save(E.plot_agreement(agreement, convention=convention), f"agreement_{convention}")
 """),
     md("""
 ## 3. Rank of the next token in the value's distribution (fig. 5)
@@ -158,12 +167,12 @@ ranks = results["next_token_rank"]
 display(ranks[["convention", "side", "layer", "median", "median_ci_low", "median_ci_high", "median_top1",
                "median_shuffled", "wilcoxon_z", "wilcoxon_p", "sign_p", "median_self"]])
 for convention in ranks.convention.unique():
-    ax = E.plot_next_token_rank(ranks, convention=convention)
+    save(E.plot_next_token_rank(ranks, convention=convention), f"next_token_rank_{convention}")
 """),
     md("## 4. Active memories (sec. 5.1)"),
     code("""
 display(results["active_memories"])
-ax = E.plot_active_memories(results["active_memories"])
+save(E.plot_active_memories(results["active_memories"]), "active_memories")
 """),
     md("""
 ## 5. The layer's prediction vs. its memories' (sec. 5)
@@ -176,7 +185,7 @@ columns are kvmem's variants (the FFN output alone against active memories; the 
 layer_vs = results["layer_vs_memories"]
 display(layer_vs)
 for convention in layer_vs.convention.unique():
-    ax = E.plot_layer_vs_memories(layer_vs[layer_vs.convention == convention])
+    save(E.plot_layer_vs_memories(layer_vs[layer_vs.convention == convention]), f"layer_vs_memories_{convention}")
 """),
     md("""
 ## Measured beside the paper

@@ -134,7 +134,7 @@ class BinSample:
             return
         rows = rows[_order(keys[rows], codes[rows], 0)]  # by (key, code): candidates come out in that order
         row_keys = keys[rows]
-        sub = acts[rows]  # [r, F]
+        sub = acts.index_select(0, rows)  # [r, F]
         cell = bin_of(sub) + torch.arange(d_ff, device=acts.device) * bins  # [r, F] flat (neuron, bin)
         if self._last is None:  # the key each (neuron, bin) must beat, kept up to date below
             self._last = _keys_or_none(self.codes[:, :, -1].reshape(-1), self.seed)  # [F*B]
