@@ -49,7 +49,7 @@ def main(path: str) -> None:
     print(table(["window start", "windows", "predictions", "perplexity", "accuracy % [95% CI]"],
                 [[f"`{r.bos_token}`" + (" (default)" if r.bos == "default" else ""), f"{r.windows:,}",
                   f"{r.predictions:,}", f"{r.perplexity:.2f}", interval(r, "accuracy")]
-                 for r in quality.itertuples()]) + "\n")
+                 for _, r in quality.iterrows()]) + "\n")
 
     for side in ("positive", "negative"):
         agree = results["agreement"]
@@ -75,7 +75,7 @@ def main(path: str) -> None:
             for convention in ("raw", "final_norm"):
                 part = pick(ranks, side=side, convention=convention)
                 r = part[part.layer == layer].iloc[0]
-                rows.append([layer, convention, f"{r.median:,.0f} [{r.median_ci_low:,.0f}, {r.median_ci_high:,.0f}]",
+                rows.append([layer, convention, f"{r['median']:,.0f} [{r.median_ci_low:,.0f}, {r.median_ci_high:,.0f}]",
                              f"{r.median_top1:,.0f}", f"{r.median_shuffled:,.0f}", f"{r.wilcoxon_z:+.1f}",
                              f"{r.wilcoxon_p:.1e}", f"{r.median_self:,.0f}"])
         print(table(["layer", "convention", "pooled median [95% CI]", "top-1 median", "shuffled median",
@@ -85,16 +85,15 @@ def main(path: str) -> None:
     print("### Token removal (mean relative change of the coefficient, %; 95% CI over samples)\n")
     rows = []
     for side in sorted(set(removal.side), reverse=True):
-        for r in pick(removal, side=side).itertuples():
-            row = r._asdict()
-            rows.append([r.layer, side, interval(row, "change_last", digits=0), interval(row, "change_first", digits=0),
-                         interval(row, "change_random", digits=0)])
+        for _, r in pick(removal, side=side).iterrows():
+            rows.append([r.layer, side, interval(r, "change_last", digits=0), interval(r, "change_first", digits=0),
+                         interval(r, "change_random", digits=0)])
     print(table(["layer", "side", "last token removed", "first token removed", "random token removed"], rows) + "\n")
 
     active = pick(results["active_memories"])
     print("### Active memories (% of neurons per position; 95% CI over positions)\n")
-    print(table(["layer", "m_i > 0", "|m_i| > 0.1" if "abs_active_mean" in active else "-", "90% of the mass"],
-                [[r["layer"], interval(r, "active_mean"), interval(r, "abs_active_mean"), pct(r["mass90_mean"])]
+    print(table(["layer", "m_i > 0", "\\|m_i\\| > 0.1", "neurons carrying 90% of the mass"],
+                [[int(r["layer"]), interval(r, "active_mean"), interval(r, "abs_active_mean"), pct(r["mass90_mean"])]
                  for _, r in active.iterrows()]) + "\n")
 
     layer_vs = results["layer_vs_memories"]
@@ -111,7 +110,7 @@ def main(path: str) -> None:
 
     timings = results["timings"]
     print("### Experiment wall time (s)\n")
-    print(table(["step", "seconds"], [[r.step, f"{r.seconds:.0f}"] for r in timings.itertuples()]))
+    print(table(["step", "seconds"], [[r.step, f"{r.seconds:.0f}"] for _, r in timings.iterrows()]))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def save(ax, name: str) -> None:  # the figure as FIGURES/geva2021_<name>.png wh
 
 pd.set_option("display.precision", 4)
 pd.set_option("display.width", 160)
-print(f"{MODEL} on {CORPUS} ({UNIT}s), {TOKENS:,} tokens, fast={FAST}; results in {RESULTS}")
+print(f"drawing from the saved results in {RESULTS}" if SAVED else
+      f"{MODEL} on {CORPUS} ({UNIT}s), {TOKENS:,} tokens, fast={FAST}; results in {RESULTS}")
 """),
     md("""
 ## 0. Scan and compute (skipped when drawing from saved results)
