@@ -91,7 +91,7 @@ class Side:
     def _compact(self, room: int) -> None:
         """Keep only the rows kept entries point to (row 0 stays the NaN row); make room for ``room`` more."""
         live = self.slots.reshape(-1)
-        size = max(self._pool.shape[0], 1 + 2 * (live.numel() + room))
+        size = 1 + 2 * live.numel() + room  # shrinks again after the dense first batches
         pool = torch.full((size, self.width), float("nan"), dtype=torch.float32, device=self._pool.device)
         pool[1:1 + live.numel()] = self._pool[live]
         self.slots = torch.arange(1, 1 + live.numel(), device=live.device).view_as(self.slots)

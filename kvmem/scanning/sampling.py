@@ -138,29 +138,32 @@ class BinSample:
         cell = bin_of(sub) + torch.arange(d_ff, device=acts.device) * bins  # [r, F] flat (neuron, bin)
         if self._last is None:  # the key each (neuron, bin) must beat, kept up to date below
             self._last = _keys_or_none(self.codes[:, :, -1].reshape(-1), self.seed)  # [F*B]
-        at_row, at_neuron = (row_keys[:, None] <= self._last[cell]).nonzero(as_tuple=True)  # by (key, code)
-        if at_row.numel() == 0:
+        last = self._last.index_select(0, cell.view(-1)).view(cell.shape)  # (index_select: 6x faster than [cell])
+        flat = (row_keys[:, None] <= last).view(-1).nonzero().squeeze(1)  # by (key, code)
+        if flat.numel() == 0:
             return
-        cand_cell = cell[at_row, at_neuron]
+        at_row = flat // d_ff
+        cand_cell = cell.view(-1).index_select(0, flat)
         by_cell = torch.argsort(cand_cell, stable=True)  # grouped by (neuron, bin) cell, key order kept within
-        cand_cell, at_row, at_neuron = cand_cell[by_cell], at_row[by_cell], at_neuron[by_cell]
+        cand_cell, at_row, flat = cand_cell[by_cell], at_row[by_cell], flat[by_cell]
         cells, counts = torch.unique_consecutive(cand_cell, return_counts=True)
         starts = counts.cumsum(0) - counts
         which = torch.repeat_interleave(torch.arange(cells.numel(), device=acts.device), counts)
         rank = torch.arange(cand_cell.numel(), device=acts.device) - starts[which]
         first = rank < q  # only a cell's q smallest new keys can be kept
-        which, rank, at_row, at_neuron = which[first], rank[first], at_row[first], at_neuron[first]
+        which, rank, at_row, flat = which[first], rank[first], at_row[first], flat[first]
         new_codes = torch.full((cells.numel(), q), -1, dtype=torch.int64, device=acts.device)
         new_values = torch.full((cells.numel(), q), float("nan"), dtype=torch.float32, device=acts.device)
         new_codes[which, rank] = codes[rows][at_row]
-        new_values[which, rank] = sub[at_row, at_neuron]
+        new_values[which, rank] = sub.view(-1).index_select(0, flat)
         flat_codes, flat_values = self.codes.view(-1, q), self.values.view(-1, q)
-        all_codes = torch.cat([flat_codes[cells], new_codes], dim=1)  # [U, 2q]
-        all_values = torch.cat([flat_values[cells], new_values], dim=1)
+        all_codes = torch.cat([flat_codes.index_select(0, cells), new_codes], dim=1)  # [U, 2q]
+        all_values = torch.cat([flat_values.index_select(0, cells), new_values], dim=1)
         keep = _order(_keys_or_none(all_codes, self.seed), all_codes, 1)[:, :q]
-        flat_codes[cells] = all_codes.gather(1, keep)
-        flat_values[cells] = all_values.gather(1, keep)
-        self._last[cells] = _keys_or_none(flat_codes[cells, -1], self.seed)
+        kept_codes = all_codes.gather(1, keep)
+        flat_codes.index_copy_(0, cells, kept_codes)
+        flat_values.index_copy_(0, cells, all_values.gather(1, keep))
+        self._last.index_copy_(0, cells, _keys_or_none(kept_codes[:, -1], self.seed))
 
     def merge(self, other: BinSample) -> BinSample:
         q = self.codes.shape[2]
