@@ -49,8 +49,8 @@ class Side:
     def __init__(self, values: Tensor, codes: Tensor, context: Tensor, largest: bool):
         k, d_ff, width = context.shape
         self.values, self.codes, self.largest = values, codes, largest
-        self._pool = torch.full((1 + 2 * k * d_ff, width), float("nan"), dtype=torch.float32, device=values.device)
-        self._pool[1:1 + k * d_ff] = context.reshape(k * d_ff, width)
+        self._pool = torch.cat([torch.full((1, width), float("nan"), dtype=torch.float32, device=values.device),
+                                context.reshape(k * d_ff, width).float()])  # grows on the first add_context
         self._used = 1 + k * d_ff
         self.slots = torch.arange(1, 1 + k * d_ff, device=values.device).view(k, d_ff)  # [k, F] pool rows
 
@@ -97,16 +97,14 @@ class Side:
         self.slots = torch.arange(1, 1 + live.numel(), device=live.device).view_as(self.slots)
         self._pool, self._used = pool, 1 + live.numel()
 
-    def insert(self, values: Tensor, codes: Tensor, context: Tensor | None = None, columns: Tensor | None = None, *,
-               ordered: bool = True, slots: Tensor | None = None) -> None:
-        """Fold candidates in: values, codes [c, U] for neurons ``columns`` [U] (None = all), with
-        their context [c, U, C], or ``slots`` [c, U] from :meth:`add_context` (0 = none).
+    def insert(self, values: Tensor, codes: Tensor, slots: Tensor, columns: Tensor | None = None, *,
+               ordered: bool = True) -> None:
+        """Fold candidates in: values, codes and their context's pool rows ``slots`` (from
+        :meth:`add_context`, 0 = none) [c, U] for neurons ``columns`` [U] (None = all).
         ``ordered``: the candidates have higher codes than every kept entry and are in code
         order down each column, so a stable sort by value realises the tie rule; otherwise
         entries are sorted by (value, code)."""
         k = self.values.shape[0]
-        if slots is None:
-            slots = self.add_context(context.reshape(-1, context.shape[-1])).view(values.shape)
         if columns is None:
             old_v, old_c, old_s = self.values, self.codes, self.slots
         else:
@@ -396,7 +394,7 @@ def _fold(side: Side, rows: Tensor, neurons: Tensor, value_of, code_of, context_
     new_codes[rank, col] = code_of(rows, neurons)
     slots = torch.zeros((depth, columns.numel()), dtype=torch.int64, device=rows.device)  # 0: the NaN row
     slots[rank, col] = side.add_context(context_of(rows, neurons))
-    side.insert(values, new_codes, None, None if columns.numel() == d_ff else columns, ordered=ordered, slots=slots)
+    side.insert(values, new_codes, slots, None if columns.numel() == d_ff else columns, ordered=ordered)
 
 
 def _fold_entries(side: Side, values: Tensor, codes: Tensor, context: Tensor, ordered: bool) -> None:
@@ -457,7 +455,7 @@ def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: T
 
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
 def close_open_document(state: LayerState) -> None:
-    """Move the open document's best into the per-document top-k (at the end of a stream)."""
+    """Move the open document's best into the per-document top-k (when it ends, and at the end of a stream)."""
     if state.doc_top is None or state.open_doc == EMPTY:
         return
     # the open document's code need not exceed the kept ones' (length-sorted batches): sort fully
