@@ -20,7 +20,7 @@ from common import Timer, machine, token_batches
 
 import kvmem
 from kvmem.plan import pack
-from kvmem.scanning.accumulator import new_layer_state, update
+from kvmem.scanning.accumulator import new_layer_state, update, window_context
 from kvmem.scanning.capture import capture_coefficients
 from kvmem.scanning.sampling import position_keys
 
@@ -59,14 +59,15 @@ def main() -> None:
         codes = pack(docs, flat % n)
         keys = position_keys(codes, 0)
         steps = torch.arange(-12, 5, device=device)
+        first = (docs - scan_step.batches * b) * (n - 1)  # each row's window: the batch row it came from
+        end = first + (n - 1)
         scan_step.batches += 1
 
         def on(layer, m):
             acts = m.reshape(-1, m.shape[-1]).index_select(0, flat)
 
-            def context_fn(rows, neurons):  # the runner's rule: the neuron's coefficients around each row
-                around = (rows[:, None] + steps[None, :]).clamp(0, acts.shape[0] - 1)
-                return acts[around, neurons[:, None]]
+            def context_fn(rows, neurons):  # the runner's: the neuron's coefficients around each row
+                return window_context(acts, rows, neurons, steps, first, end)
 
             update(states[layer], acts, codes, context_fn, docs=docs, keys=keys)
 

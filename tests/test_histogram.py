@@ -49,3 +49,16 @@ def test_histogram_update_covers_every_raw_code():
     histogram_update(counts, values.view(1, -1))  # one position, neuron i holds value i
     assert counts.sum(1).tolist() == [1] * len(values)
     assert counts.argmax(1).tolist() == [reference_bin(float(v)) for v in values]
+
+
+def test_histogram_update_returns_exact_positive_counts():
+    """#{v > 0} per neuron, with +0.0, -0.0, subnormals and values beyond both end bins."""
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0**-130, 1e30, -1e30, 2.0**-7, -3.0])
+    values = torch.cat([special, torch.randn(490) * 16]).view(-1, 5)  # [100, 5]
+    counts = torch.zeros(5, HIST_BINS, dtype=torch.int64)
+    positive = histogram_update(counts, values)
+    assert positive.tolist() == (values.numpy() > 0).sum(0).tolist()
+    assert counts.sum(1).tolist() == [100] * 5
+    for neuron in range(5):
+        expected = np.bincount([reference_bin(float(v)) for v in values[:, neuron]], minlength=HIST_BINS)
+        assert counts[neuron].tolist() == expected.tolist()

@@ -22,16 +22,31 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from kvmem.scanning.histogram import HIST_BINS, histogram_update, positive_counts
+from kvmem.scanning.histogram import HIST_BINS, histogram_update
 from kvmem.scanning.sampling import BinSample, RandomSample
 
 __all__ = ["Side", "LayerState", "new_layer_state", "update", "merge_states", "close_open_document", "EMPTY",
-           "ContextFn"]
+           "ContextFn", "window_context"]
 
 EMPTY = -1
 
 # (flat row indices [C], neuron indices [C]) -> coefficients of that neuron around each row [C, width]
 ContextFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor, end: Tensor) -> Tensor:
+    """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps`` -> [c, len(steps)] float32,
+    NaN where that row lies outside the row's window (``first[row] <= row + step < end[row]``).
+
+    acts [N, F]; rows, neurons [c]; steps [C]; first, end [N] each row's window bounds in acts.
+    (A flat ``index_select``: advanced indexing of acts costs several times as much.)
+    """
+    n, d_ff = acts.shape
+    around = rows[:, None] + steps[None, :]  # [c, C]
+    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
+    flat = around.clamp_(0, n - 1).mul_(d_ff).add_(neurons[:, None])
+    got = acts.view(-1).index_select(0, flat.view(-1)).view(flat.shape)
+    return got.masked_fill_(~inside, float("nan"))
 
 
 class Side:
@@ -108,7 +123,7 @@ class Side:
         if columns is None:
             old_v, old_c, old_s = self.values, self.codes, self.slots
         else:
-            old_v, old_c, old_s = self.values[:, columns], self.codes[:, columns], self.slots[:, columns]
+            old_v, old_c, old_s = (part.index_select(1, columns) for part in (self.values, self.codes, self.slots))
         all_v, all_c, all_s = torch.cat([old_v, values]), torch.cat([old_c, codes]), torch.cat([old_s, slots])
         if ordered:
             order = torch.argsort(all_v, dim=0, descending=self.largest, stable=True)[:k]  # [k, U]
@@ -118,7 +133,8 @@ class Side:
         if columns is None:
             self.values, self.codes, self.slots = new_v, new_c, new_s
         else:
-            self.values[:, columns], self.codes[:, columns], self.slots[:, columns] = new_v, new_c, new_s
+            for part, new in ((self.values, new_v), (self.codes, new_c), (self.slots, new_s)):
+                part.index_copy_(1, columns, new)
 
 
 def _order_full(values: Tensor, codes: Tensor, k: int, largest: bool) -> Tensor:
@@ -295,11 +311,10 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
 
     state.count += acts.shape[0]
     _two_sum_into(state.total, _column_sum(acts))
-    _two_sum_into(state.total_sq, _column_sum(acts * acts))
+    _two_sum_into(state.total_sq, _column_sum(torch.mul(acts, acts, out=_scratch(acts.shape, torch.float32, acts.device))))
     _renormalise(state.total)
     _renormalise(state.total_sq)
-    per_code = histogram_update(state.histogram, acts)
-    state.positive += positive_counts(per_code, acts)
+    state.positive += histogram_update(state.histogram, acts, _scratch(acts.shape, torch.int32, acts.device).view(-1))
 
     if state.doc_top is not None:
         _update_per_document(state, acts, codes, docs, context_fn, ordered)
@@ -307,6 +322,22 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
         state.random.update(acts, codes, keys, context_fn)
     if state.bins is not None:
         state.bins.update(acts, codes, keys)
+
+
+_SCRATCH: dict[tuple[torch.dtype, str], Tensor] = {}
+
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+    """A reused buffer of ``shape`` for one batch's temporaries (one per dtype and device): a fresh
+    [N, F] tensor per layer and batch would be allocated, and its pages faulted in, every time."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    key = (dtype, str(device))
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
 
 
 _ROWS = 32  # rows per block of the candidate search's block extremes
@@ -324,29 +355,35 @@ def _block_extremes(acts: Tensor) -> tuple[Tensor, Tensor]:
     return low, high
 
 
-def _candidates(side: Side, acts: Tensor, codes: Tensor, extremes: Tensor, ordered: bool) -> tuple[Tensor, Tensor]:
-    """(rows, neurons) [c] of the positions that enter the side, by row within each neuron's run.
+def _candidates(side: Side, acts: Tensor, codes: Tensor, extremes: Tensor, ordered: bool
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows, neurons, values) [c] of the positions that enter the side, grouped by neuron, rows ascending.
 
     Only blocks whose extreme reaches the threshold are read row by row, so after the first
     batches (when few positions beat the k-th kept value) the search costs one pass over the
     block extremes, not a comparison and a nonzero over all N × F coefficients.
     """
+    n, d_ff = acts.shape
     threshold = side.threshold()
     if ordered:  # a tie never enters
         reach = extremes > threshold if side.largest else extremes < threshold  # [blocks, F]
     else:  # a tie may (checked by code below)
         reach = extremes >= threshold if side.largest else extremes <= threshold
-    block, neurons = reach.nonzero(as_tuple=True)
+    neurons, block = reach.T.nonzero(as_tuple=True)  # neuron-major, blocks ascending
     rows = block[:, None] * _ROWS + torch.arange(_ROWS, device=acts.device)  # [P, _ROWS]
-    inside = rows < acts.shape[0]
-    rows = rows.clamp(max=acts.shape[0] - 1)
-    values = acts[rows, neurons[:, None]]
-    limit = threshold[neurons][:, None]
+    inside = rows < n if n % _ROWS else None
+    if inside is not None:
+        rows = rows.clamp(max=n - 1)
+    values = acts.view(-1).index_select(0, (rows * d_ff + neurons[:, None]).view(-1)).view(rows.shape)
+    limit = threshold.index_select(0, neurons)[:, None]
     enters = (values > limit) if side.largest else (values < limit)
     if not ordered:
-        enters |= (values == limit) & (codes[rows] < side.tie_codes()[neurons][:, None])
-    pair, offset = (enters & inside).nonzero(as_tuple=True)
-    return rows[pair, offset], neurons[pair]
+        row_codes = codes.index_select(0, rows.view(-1)).view(rows.shape)
+        enters |= (values == limit) & (row_codes < side.tie_codes().index_select(0, neurons)[:, None])
+    if inside is not None:
+        enters &= inside
+    pair, offset = enters.nonzero(as_tuple=True)
+    return rows[pair, offset], neurons[pair], values[pair, offset]
 
 
 def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool = True,
@@ -362,39 +399,38 @@ def _stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn,
         mask &= (acts >= kth.min(0).values) if side.largest else (acts <= kth.max(0).values)
         if not ordered:
             mask |= (acts == threshold) & (codes[:, None] < side.tie_codes())
-        rows, neurons = mask.nonzero(as_tuple=True)  # by row, so by code
+        neurons, rows = mask.T.nonzero(as_tuple=True)  # neuron-major, rows ascending
+        values = acts.view(-1).index_select(0, rows * d_ff + neurons)
     else:
         if extremes is None:
             low, high = _block_extremes(acts)
             extremes = high if side.largest else low
-        rows, neurons = _candidates(side, acts, codes, extremes, ordered)
-    _fold(side, rows, neurons, lambda r, n: acts[r, n], lambda r, n: codes[r], context_fn, ordered)
+        rows, neurons, values = _candidates(side, acts, codes, extremes, ordered)
+    _fold(side, rows, neurons, values, codes.index_select(0, rows), context_fn, ordered)
 
 
-def _fold(side: Side, rows: Tensor, neurons: Tensor, value_of, code_of, context_of: ContextFn, ordered: bool) -> None:
-    """Insert the candidates (rows[i], neurons[i]) [c] (in row order within each neuron) into ``side``:
-    ``value_of``/``code_of``/``context_of`` give their values [c], codes [c] and context [c, C]."""
-    if rows.numel() == 0:
+def _fold(side: Side, rows: Tensor, neurons: Tensor, values: Tensor, codes: Tensor, context_of: ContextFn,
+          ordered: bool) -> None:
+    """Insert the candidates (rows[i], neurons[i]) [c], grouped by neuron (rows ascending within
+    one), with their values and codes [c], into ``side``; ``context_of(rows, neurons)`` gives their
+    context [c, C]."""
+    c = rows.numel()
+    if c == 0:
         return
-    d_ff = side.values.shape[1]
-    by_neuron = torch.argsort(neurons, stable=True)  # by neuron, keeping the row order within each
-    rows, neurons = rows[by_neuron], neurons[by_neuron]
-    counts = torch.bincount(neurons, minlength=d_ff)
-    columns = counts.nonzero().squeeze(1)  # [U] neurons with candidates
-    column_of = torch.full((d_ff,), -1, dtype=torch.int64, device=rows.device)
-    column_of[columns] = torch.arange(columns.numel(), device=rows.device)
-    starts = counts.cumsum(0) - counts
-    rank = torch.arange(rows.numel(), device=rows.device) - starts[neurons]
+    device = rows.device
+    columns, counts = torch.unique_consecutive(neurons, return_counts=True)  # [U] neurons with candidates
+    width = columns.numel()
+    column = torch.repeat_interleave(torch.arange(width, device=device), counts)  # [c]
+    rank = torch.arange(c, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    at = rank * width + column  # flat place in the [depth, U] candidate arrays
     depth = int(counts.max())
-    col = column_of[neurons]
     fill = float("-inf") if side.largest else float("inf")
-    values = torch.full((depth, columns.numel()), fill, dtype=torch.float32, device=rows.device)
-    values[rank, col] = value_of(rows, neurons)
-    new_codes = torch.full((depth, columns.numel()), EMPTY, dtype=torch.int64, device=rows.device)
-    new_codes[rank, col] = code_of(rows, neurons)
-    slots = torch.zeros((depth, columns.numel()), dtype=torch.int64, device=rows.device)  # 0: the NaN row
-    slots[rank, col] = side.add_context(context_of(rows, neurons))
-    side.insert(values, new_codes, slots, None if columns.numel() == d_ff else columns, ordered=ordered)
+    new_values = torch.full((depth * width,), fill, dtype=torch.float32, device=device).index_copy_(0, at, values)
+    new_codes = torch.full((depth * width,), EMPTY, dtype=torch.int64, device=device).index_copy_(0, at, codes)
+    slots = torch.zeros(depth * width, dtype=torch.int64, device=device)  # 0: the NaN row
+    slots.index_copy_(0, at, side.add_context(context_of(rows, neurons)))
+    side.insert(new_values.view(depth, width), new_codes.view(depth, width), slots.view(depth, width),
+                None if width == side.values.shape[1] else columns, ordered=ordered)
 
 
 def _fold_entries(side: Side, values: Tensor, codes: Tensor, context: Tensor, ordered: bool) -> None:
@@ -402,9 +438,8 @@ def _fold_entries(side: Side, values: Tensor, codes: Tensor, context: Tensor, or
     only those that beat (or, by a lower code, tie) the side's k-th are touched."""
     threshold, tie = side.threshold(), side.tie_codes()
     beats = values > threshold if side.largest else values < threshold
-    rows, neurons = (beats | ((values == threshold) & (codes < tie))).nonzero(as_tuple=True)
-    _fold(side, rows, neurons, lambda r, n: values[r, n], lambda r, n: codes[r, n], lambda r, n: context[r, n],
-          ordered)
+    neurons, rows = (beats | ((values == threshold) & (codes < tie))).T.nonzero(as_tuple=True)
+    _fold(side, rows, neurons, values[rows, neurons], codes[rows, neurons], lambda r, n: context[r, n], ordered)
 
 
 def _segment_best(acts: Tensor, segment: Tensor, n_segments: int, *, largest: bool) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin", "bin_of", "positive_counts"]
+__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin", "bin_of"]
 
 _LOW_EXP = -7  # smallest finite edge 2^-7
 _HIGH_EXP = 7  # largest finite edge 2^7
@@ -59,58 +59,66 @@ def _raw_to_bin():
 _LUT: dict = {}
 
 
-def _tables(d_ff: int, device):
+def bin_of(values, *, wide: bool = True):
+    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (int32 unless ``wide``;
+    same bins as :func:`bin_index`)."""
     import torch
 
-    key = (str(device), d_ff)
+    shifted = values.contiguous().view(torch.int32) >> 22  # m for v >= 0, m - 512 for v < 0
+    j = (shifted & 0x1FF).sub_(_CODE_LOW - 1).clamp_(0, N_MAGNITUDE - 1)  # magnitude bin
+    # v >= 0: N_MAGNITUDE + j; v < 0: N_MAGNITUDE - 1 - j, i.e. N_MAGNITUDE + (j ^ -1)
+    bins = j.bitwise_xor_(shifted >> 31).add_(N_MAGNITUDE)
+    return bins.long() if wide else bins
+
+
+# The shifted bits t = bits >> 22 are m - 512 for a negative value and m for a non-negative one, where
+# m = exponent field * 2 + first mantissa bit of |v|; magnitude bin j = clamp(m - _M0, 0, 29).
+_M0 = _CODE_LOW - 1  # m <= _M0: magnitude bin 0 ([0, 2^-7))
+_M1 = _M0 + N_MAGNITUDE - 1  # m >= _M1: the last magnitude bin ([2^7, inf))
+# Clamping t to [_M0 - 512, _M1] merges the small negatives into m = _M0 and the large positives into
+# m = _M1 without changing any bin, so the bincount table needs 512 - _M0 + _M1 + 1 rows, not 1024.
+_T_LOW, _T_HIGH = _M0 - 512, _M1
+_TABLE_ROWS = _T_HIGH - _T_LOW + 1
+_SPLIT = -_T_LOW  # table row of t = 0: rows below hold negative values (m = row + _M0), rows from it non-negative (m = row - _SPLIT)
+
+
+def _offsets(d_ff: int, device):
+    """[d_ff] int32: neuron - _T_LOW * d_ff, so that t * d_ff + offset = (t - _T_LOW) * d_ff + neuron."""
+    import torch
+
+    key = ("offsets", str(device), d_ff)
     if key not in _LUT:
-        # neuron offsets for the bincount index: (bits >> 22) * d_ff + neuron + 512 * d_ff >= 0
-        lut = _raw_to_bin().to(device)
-        rows = (torch.arange(_RAW_CODES, device=device) - 512) & 0x3FF  # bincount row -> raw code
-        _LUT[key] = (lut, torch.arange(d_ff, dtype=torch.int32, device=device) + 512 * d_ff, lut[rows])
+        _LUT[key] = torch.arange(d_ff, dtype=torch.int32, device=device) - _T_LOW * d_ff
     return _LUT[key]
 
 
-def bin_of(values):
-    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (same bins as :func:`bin_index`)."""
-    import torch
+def histogram_update(counts, values, index_buffer=None):
+    """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32; returns
+    #{v > 0} per neuron [d_ff] int64.
 
-    lut = _tables(values.shape[-1], values.device)[0]
-    raw = (values.contiguous().view(torch.int32) >> 22) & 0x3FF
-    return lut.index_select(0, raw.view(-1)).view(raw.shape)  # index_select: 6x faster than lut[raw]
-
-
-def histogram_update(counts, values):
-    """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32.
-
-    One arithmetic shift gives each value's raw code (sign, exponent and first mantissa bit:
-    1024 possible); one bincount over ``code * d_ff + neuron`` (code-major, which keeps its writes
-    local) counts them; a fixed lookup folds the raw codes into the 60 bins. Same bins as
-    :func:`bin_index`. Returns the raw counts [1024, d_ff] by shifted bits (see :func:`positive_counts`).
+    One arithmetic shift gives each value's sign, exponent and first mantissa bit; a clamp merges
+    the codes that share an end bin; one bincount over ``code * d_ff + neuron`` (code-major, which
+    keeps its writes local) counts them; sums over row ranges fold the codes into the 60 bins.
+    Same bins as :func:`bin_index`. ``index_buffer``: optional int32 storage of at least N·d_ff
+    elements for the bincount index (saves allocating, and faulting in, a fresh one per batch).
     """
     import torch
 
     n, d_ff = values.shape
-    device = values.device
-    _, neurons, row_lut = _tables(d_ff, device)
-    # (bits >> 22) is sign-extended: -512..511, sign bit set below 0; offset it to 0..1023 with the neuron
-    index = torch.add(neurons, values.contiguous().view(torch.int32) >> 22, alpha=d_ff)  # one pass for * and +
-    # row r counts the values whose shifted bits are r - 512, i.e. raw code (r - 512) & 0x3FF
-    per_row = torch.bincount(index.view(-1), minlength=_RAW_CODES * d_ff).view(_RAW_CODES, d_ff)
-    folded = torch.zeros(HIST_BINS, d_ff, dtype=torch.int64, device=device)
-    folded.index_add_(0, row_lut, per_row)
-    counts += folded.T
-    return per_row
-
-
-def positive_counts(per_row, values):
-    """#{m > 0} per neuron [d_ff] int64 from :func:`histogram_update`'s counts [1024, d_ff] (row 512 + c
-    holds raw code c: codes 1..511 are positive; code 0 holds +0.0 and the smallest positive
-    subnormals, which are counted from the values only when it is not empty)."""
-    import torch
-
-    positive = per_row[513:].sum(dim=0)
-    if bool(per_row[512].any()):
+    bits = values.contiguous().view(torch.int32)
+    index = torch.empty_like(bits) if index_buffer is None else index_buffer[:bits.numel()].view(bits.shape)
+    torch.bitwise_right_shift(bits, 22, out=index).clamp_(_T_LOW, _T_HIGH)
+    torch.add(_offsets(d_ff, values.device), index, alpha=d_ff, out=index)
+    table = torch.bincount(index.view(-1), minlength=_TABLE_ROWS * d_ff).view(_TABLE_ROWS, d_ff)
+    negative = table[:_SPLIT]  # row r: m = r + _M0, from _M0 (bin 0 of |v|) up to 511
+    negative = torch.cat([negative[:N_MAGNITUDE - 1], negative[N_MAGNITUDE - 1:].sum(0, keepdim=True)])  # [30]: j = r
+    non_negative = table[_SPLIT:]  # row r: m = r, from 0 up to _M1
+    non_negative = torch.cat([non_negative[:_M0 + 1].sum(0, keepdim=True), non_negative[_M0 + 1:]])  # [30]: j
+    counts[:, :N_MAGNITUDE] += negative.flip(0).T  # bin 29 - j holds negative magnitude bin j
+    counts[:, N_MAGNITUDE:] += non_negative.T
+    # table row _SPLIT (t = 0) holds +0.0 and the positive values below 2^-127: count those exactly when there are any
+    positive = non_negative.sum(0) - table[_SPLIT]
+    if bool(table[_SPLIT].any()):
         positive += torch.count_nonzero((values > 0) & (values < 2.0**-127), dim=0)
     return positive
 

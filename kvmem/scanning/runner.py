@@ -25,7 +25,14 @@ from kvmem.errors import KvmemError
 from kvmem.models import Model
 from kvmem.plan import DEFAULT_WINDOW, Batch, StreamPosition, TokenPlan, iterate_batches, pack
 from kvmem.scanning import distributed
-from kvmem.scanning.accumulator import LayerState, close_open_document, merge_states, new_layer_state, update
+from kvmem.scanning.accumulator import (
+    LayerState,
+    close_open_document,
+    merge_states,
+    new_layer_state,
+    update,
+    window_context,
+)
 from kvmem.scanning.capture import capture_coefficients
 from kvmem.scanning.checkpoint import load_state, save_state
 from kvmem.scanning.config import ScanConfig
@@ -255,10 +262,7 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
         def context_fn(rows: torch.Tensor, neurons: torch.Tensor) -> torch.Tensor:
             if not with_context:
                 return torch.empty((rows.numel(), 0), dtype=torch.float32, device=device)
-            around = rows[:, None] + steps[None, :]  # [C, width]
-            inside = (around >= low[rows][:, None]) & (around < high[rows][:, None])
-            got = acts[around.clamp(0, n_rows - 1), neurons[:, None]]
-            return torch.where(inside, got, torch.full_like(got, float("nan")))
+            return window_context(acts, rows, neurons, steps, low, high)
 
         update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of, keys=keys, ordered=batch.ordered)
 
