@@ -82,6 +82,9 @@ def test_any_code_order_equals_brute_force(seed):
                 order = np.lexsort((doc_c[:, j], -doc_v[:, j] if largest else doc_v[:, j]))[:K]
                 np.testing.assert_array_equal(side.values[:, j].numpy(), doc_v[order, j])
                 np.testing.assert_array_equal(side.codes[:, j].numpy(), doc_c[order, j])
+                # the context is the best position's own (also when it was found in an earlier batch)
+                np.testing.assert_array_equal(side.context[:, j, 0].numpy(), doc_v[order, j])
+                np.testing.assert_array_equal(side.context[:, j, 1].numpy(), (doc_c[order, j] % 1000).astype(np.float32))
         np.testing.assert_array_equal(state.histogram.numpy(), in_order.histogram.numpy())
         assert state.count == n_rows
 

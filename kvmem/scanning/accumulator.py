@@ -433,59 +433,109 @@ def _fold(side: Side, rows: Tensor, neurons: Tensor, values: Tensor, codes: Tens
                 None if width == side.values.shape[1] else columns, ordered=ordered)
 
 
-def _fold_entries(side: Side, values: Tensor, codes: Tensor, context: Tensor, ordered: bool) -> None:
-    """Insert a few entries per neuron: values, codes [m, F] (m small: one per document), context [m, F, C];
-    only those that beat (or, by a lower code, tie) the side's k-th are touched."""
+def _fold_entries(side: Side, values: Tensor, codes: Tensor, context_of: ContextFn, ordered: bool) -> None:
+    """Insert a few entries per neuron: values, codes [m, F] (m small: one per document);
+    ``context_of(entries, neurons)`` gives the context [c, C] of entries (row indices into the m)
+    for those neurons. Only entries that beat (or, by a lower code, tie) the side's k-th are
+    touched, and only their context is read."""
     threshold, tie = side.threshold(), side.tie_codes()
     beats = values > threshold if side.largest else values < threshold
     neurons, rows = (beats | ((values == threshold) & (codes < tie))).T.nonzero(as_tuple=True)
-    _fold(side, rows, neurons, values[rows, neurons], codes[rows, neurons], lambda r, n: context[r, n], ordered)
+    _fold(side, rows, neurons, values[rows, neurons], codes[rows, neurons], context_of, ordered)
 
 
-def _segment_best(acts: Tensor, segment: Tensor, n_segments: int, *, largest: bool) -> tuple[Tensor, Tensor]:
-    """Per segment (document) and neuron: the most extreme value and the first row holding it. -> [S, F] each."""
-    F = acts.shape[1]
-    fill = float("-inf") if largest else float("inf")
-    index = segment.view(-1, 1).expand(-1, F)
-    best = torch.full((n_segments, F), fill, dtype=acts.dtype, device=acts.device)
-    best.scatter_reduce_(0, index, acts, reduce="amax" if largest else "amin", include_self=True)
-    is_best = acts == best.gather(0, index)
-    big = acts.shape[0]
-    rows = torch.arange(acts.shape[0], device=acts.device).view(-1, 1).expand(-1, F)
-    candidate = torch.where(is_best, rows, torch.full_like(rows, big))
-    first = torch.full((n_segments, F), big, dtype=torch.int64, device=acts.device)
-    first.scatter_reduce_(0, index, candidate, reduce="amin", include_self=True)
-    return best, first
+class _Documents:
+    """A batch's documents (rows starts[s] .. starts[s] + lengths[s] - 1 of acts [N, F], in order)
+    gathered into one padded block [S, longest, F] (length-sorted batches keep the padding small),
+    so that each document's extremes cost one reduction, not scatters over N × F."""
+
+    def __init__(self, acts: Tensor, starts: Tensor, lengths: Tensor):
+        self.starts, self.lengths, self.longest = starts, lengths, int(lengths.max())
+        self.offsets = torch.arange(self.longest, device=acts.device)
+        self.padding = self.offsets[None, :] >= lengths[:, None]  # [S, longest]
+        rows = (starts[:, None] + self.offsets[None, :]).masked_fill_(self.padding, 0)
+        self.block = acts.index_select(0, rows.view(-1)).view(*rows.shape, acts.shape[1])
+        self.padded_rows = self.padding.view(-1).nonzero().squeeze(1)  # rows of block.view(-1, F)
+
+    def best(self, largest: bool) -> Tensor:
+        """Each document's largest (or smallest) value per neuron [S, F]."""
+        if self.padded_rows.numel():
+            fill = float("-inf") if largest else float("inf")
+            self.block.view(-1, self.block.shape[2]).index_fill_(0, self.padded_rows, fill)
+        return self.block.amax(dim=1) if largest else self.block.amin(dim=1)
+
+    def first_row(self, documents: Tensor, neurons: Tensor, values: Tensor) -> Tensor:
+        """The first row of acts where document documents[i] holds values[i] for neuron neurons[i] -> [c]
+        (the document's first row when none does: a value carried over from an earlier batch)."""
+        d_ff = self.block.shape[2]
+        flat = (documents[:, None] * self.longest + self.offsets[None, :]) * d_ff + neurons[:, None]  # [c, longest]
+        found = self.block.view(-1).index_select(0, flat.view(-1)).view(flat.shape) == values[:, None]
+        found &= ~self.padding.index_select(0, documents)
+        return self.starts.index_select(0, documents) + found.to(torch.uint8).argmax(dim=1)  # argmax: the first
 
 
 def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor, context_fn: ContextFn,
                          ordered: bool = True) -> None:
-    unique_docs, segment = torch.unique_consecutive(docs, return_inverse=True)
-    n = unique_docs.shape[0]
-    F = acts.shape[1]
-    neurons = torch.arange(F, device=acts.device).expand(n, -1).reshape(-1)
-    found: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}  # each document's best: values, codes [n, F], context [n, F, C]
-    for largest in (True, False):
-        best, rows = _segment_best(acts, segment, n, largest=largest)
-        found[largest] = (best, codes[rows], context_fn(rows.reshape(-1), neurons).view(n, F, -1))
-    first_doc = int(unique_docs[0])
-    if state.open_doc == first_doc:  # the open document continues: its earlier best wins ties (lower code)
-        for largest, open_side in ((True, state.open_top), (False, state.open_bottom)):
-            values, doc_codes, context = found[largest]
-            earlier_v, earlier_c, earlier_x = open_side.values[0], open_side.codes[0], open_side.context[0]
-            later = values[0] > earlier_v if largest else values[0] < earlier_v  # [F] strictly better
-            values[0] = torch.where(later, values[0], earlier_v)
-            doc_codes[0] = torch.where(later, doc_codes[0], earlier_c)
-            context[0] = torch.where(later[:, None], context[0], earlier_x)
-    elif state.open_doc != EMPTY:  # the open document ended with the previous batch
+    """Fold each document's best position into doc_top / doc_bottom; the batch's last document
+    stays open (its best so far in open_top / open_bottom) in case the next batch continues it.
+    A document's best is its most extreme value, at its first position holding it; the context is
+    read only for the documents that enter the kept ones, and for the open one."""
+    unique_docs, lengths = torch.unique_consecutive(docs, return_counts=True)
+    documents = _Documents(acts, lengths.cumsum(0) - lengths, lengths)
+    continues = state.open_doc == int(unique_docs[0])
+    if not continues and state.open_doc != EMPTY:  # the open document ended with the previous batch
         close_open_document(state)
-    if n > 1:  # every document but the last is complete
-        for largest, side in ((True, state.doc_top), (False, state.doc_bottom)):
-            values, doc_codes, context = found[largest]
-            _fold_entries(side, values[:-1], doc_codes[:-1], context[:-1], ordered)
+    state.open_top = _fold_documents(state.doc_top, state.open_top if continues else None, documents, codes,
+                                     context_fn, ordered)
+    state.open_bottom = _fold_documents(state.doc_bottom, state.open_bottom if continues else None, documents,
+                                        codes, context_fn, ordered)
     state.open_doc = int(unique_docs[-1])
-    state.open_top, state.open_bottom = (Side(v[-1:], c[-1:], x[-1:], largest)
-                                         for largest, (v, c, x) in ((True, found[True]), (False, found[False])))
+
+
+def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, codes: Tensor, context_fn: ContextFn,
+                    ordered: bool) -> Side:
+    """Fold the complete documents' bests into ``side``; ``open_side``: the best so far of the
+    batch's first document when it continues from the previous batch. -> the last document's best (k = 1)."""
+    largest = side.largest
+    values = documents.best(largest)  # [n, F]
+    n, d_ff = values.shape
+    earlier = None  # [F]: the open document's earlier best stays (it wins ties: lower code)
+    if open_side is not None:
+        earlier = ~(values[0] > open_side.values[0] if largest else values[0] < open_side.values[0])
+        values[0] = torch.where(earlier, open_side.values[0], values[0])
+
+    def rows_and_codes(doc: Tensor, neuron: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Rows [c] and codes [c] of documents doc's best for neurons neuron, and which of them the
+        open document's earlier best holds (None when none continues)."""
+        rows = documents.first_row(doc, neuron, values[doc, neuron])
+        entry_codes = codes.index_select(0, rows)
+        if earlier is None:
+            return rows, entry_codes, None
+        from_earlier = (doc == 0) & earlier.index_select(0, neuron)
+        return rows, torch.where(from_earlier, open_side.codes[0].index_select(0, neuron), entry_codes), from_earlier
+
+    def context_of(rows: Tensor, neuron: Tensor, from_earlier: Tensor | None) -> Tensor:
+        context = context_fn(rows, neuron)
+        if from_earlier is None:
+            return context
+        return torch.where(from_earlier[:, None], open_side.context[0].index_select(0, neuron), context)
+
+    if n > 1:  # every document but the last is complete: fold those that enter
+        complete = values[:-1]
+        threshold = side.threshold()
+        beats = complete > threshold if largest else complete < threshold
+        neuron, doc = (beats | (complete == threshold)).T.nonzero(as_tuple=True)  # neuron-major
+        if neuron.numel():
+            rows, entry_codes, from_earlier = rows_and_codes(doc, neuron)
+            enter = beats[doc, neuron] | (entry_codes < side.tie_codes().index_select(0, neuron))  # tie: lower code
+            if not bool(enter.all()):
+                doc, neuron, rows, entry_codes = doc[enter], neuron[enter], rows[enter], entry_codes[enter]
+                from_earlier = from_earlier[enter] if from_earlier is not None else None
+            context = context_of(rows, neuron, from_earlier)
+            _fold(side, doc, neuron, values[doc, neuron], entry_codes, lambda r, x: context, ordered)
+    neurons = torch.arange(d_ff, device=values.device)
+    rows, open_codes, from_earlier = rows_and_codes(torch.full_like(neurons, n - 1), neurons)
+    return Side(values[-1:], open_codes[None], context_of(rows, neurons, from_earlier)[None], largest)
 
 
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
@@ -495,7 +545,8 @@ def close_open_document(state: LayerState) -> None:
         return
     # the open document's code need not exceed the kept ones' (length-sorted batches): sort fully
     for side, open_side in ((state.doc_top, state.open_top), (state.doc_bottom, state.open_bottom)):
-        _fold_entries(side, open_side.values, open_side.codes, open_side.context, ordered=False)
+        context = open_side.context  # [1, F, C]
+        _fold_entries(side, open_side.values, open_side.codes, lambda r, n, x=context: x[r, n], ordered=False)
     state.open_doc = EMPTY
     state.open_top = state.open_bottom = None
 
