@@ -48,14 +48,15 @@ def brute_top(values: np.ndarray, codes: np.ndarray, largest: bool) -> tuple[np.
     return out_v, out_c
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_any_code_order_equals_brute_force(seed):
+@pytest.mark.parametrize("seed, n_cuts", [(0, 12), (1, 12), (2, 12), (3, 2), (4, 3)])
+def test_any_code_order_equals_brute_force(seed, n_cuts):
+    """Few cuts: batches of many documents, so the not-yet-full sides first cut to the batch's k best."""
     rng = np.random.default_rng(seed)
     n_docs = 30
     lengths = rng.integers(1, 9, n_docs).tolist()
     acts = {d: rng.integers(-3, 4, (lengths[d], F)).astype(np.float32) for d in range(n_docs)}  # many exact ties
     n_rows = sum(lengths)
-    cuts = sorted(rng.choice(np.arange(1, n_rows), 12, replace=False).tolist())
+    cuts = sorted(rng.choice(np.arange(1, n_rows), n_cuts, replace=False).tolist())
     in_order = run(list(range(n_docs)), lengths, acts, cuts)
     shuffled = run(sorted(range(n_docs), key=lambda d: (lengths[d], rng.random())), lengths, acts, cuts)
     codes = np.array([(d << 32) | p for d in range(n_docs) for p in range(lengths[d])], np.int64)

@@ -524,6 +524,10 @@ def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, c
         complete = values[:-1]
         threshold = side.threshold()
         beats = complete > threshold if largest else complete < threshold
+        k = side.values.shape[0]
+        if n - 1 > k and bool(torch.isinf(threshold).any()):  # not yet full: no more than this batch's k best enter
+            kth = torch.topk(complete, k, dim=0, largest=largest, sorted=False).values
+            beats &= (complete >= kth.amin(0)) if largest else (complete <= kth.amax(0))
         neuron, doc = (beats | (complete == threshold)).T.nonzero(as_tuple=True)  # neuron-major
         if neuron.numel():
             rows, entry_codes, from_earlier = rows_and_codes(doc, neuron)
