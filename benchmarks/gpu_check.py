@@ -14,9 +14,10 @@ What it checks:
    batches, in float32 and bfloat16, 100,000 tokens, batch 32;
 3. peak GPU memory of each scan (``torch.cuda.max_memory_allocated``).
 
-Without a CUDA device it says so in one line and exits 0.
+Without a CUDA device it says so in one line and exits 0. ``--device cpu`` is a dry run: the CPU
+stands in for the GPU, so every step runs (the test suite runs it to keep the script working).
 
-    python benchmarks/gpu_check.py [--tokens 100000] [--skip-smollm2]
+    python benchmarks/gpu_check.py [--tokens 100000] [--skip-smollm2] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def compare(cpu, gpu) -> dict:
             "ok": stats_ok and moved <= 1e-3 and same.mean() >= 0.99 and act_ok and top_same >= 0.999}
 
 
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> str:
+    return f"{torch.cuda.max_memory_allocated() / 2**30:.2f}" if device == "cuda" else "-"
+
+
 def whole_scan_ratio(model, tokens: int, batch_size: int, out: Path) -> dict:
     from whole_scan import bare_forward
 
@@ -81,22 +91,27 @@ def whole_scan_ratio(model, tokens: int, batch_size: int, out: Path) -> dict:
     kvmem.scan(model, "pydoc", out=out / "warm-up", max_tokens=min(tokens, 5000), batch_size=batch_size,
                progress=False)  # fills the projection cache and the kernels' caches
     bare = bare_forward(model, "pydoc", tokens, batch_size=batch_size)
-    torch.cuda.reset_peak_memory_stats()
+    device = str(model.device).split(":")[0]
+    reset_peak(device)
     started = time.perf_counter()
     atlas = kvmem.scan(model, "pydoc", out=out / "scan", overwrite=True, max_tokens=tokens, batch_size=batch_size,
                        progress=False)
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    return {"bare_s": bare, "scan_s": seconds, "ratio": bare / seconds,
-            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "phases": atlas.manifest.timing["phases"]}
+    return {"bare_s": bare, "scan_s": seconds, "ratio": bare / seconds, "peak_gb": peak_gib(device),
+            "phases": atlas.manifest.timing["phases"]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=100_000)
     parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a dry run, the CPU standing in for the GPU")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (run it on a machine with an NVIDIA GPU)")
         return 0
 
@@ -110,24 +125,25 @@ def main() -> int:
     settings = dict(max_tokens=2000, top_k=8, window=64, top_n=5, progress=False)
     for name, source in (("tiny GPT-2", gpt2_random_dir(n_layer=2, n_embd=64, n_head=4, n_positions=128)),
                          ("tiny Llama", tiny_llama_dir(root))):
-        cpu = kvmem.scan(kvmem.load_model(source, device="cpu"), "pydoc", out=root / f"{name}-cpu", **settings)
-        torch.cuda.reset_peak_memory_stats()
-        gpu = kvmem.scan(kvmem.load_model(source, device="cuda"), "pydoc", out=root / f"{name}-gpu", **settings)
+        cpu = kvmem.scan(kvmem.load_model(source, device="cpu"), "pydoc", out=root / f"{name}-reference", **settings)
+        reset_peak(device)
+        gpu = kvmem.scan(kvmem.load_model(source, device=device), "pydoc", out=root / f"{name}-checked", **settings)
         result = compare(cpu, gpu)
-        rows.append((f"{name} CUDA vs CPU", "ok" if result["ok"] else "FAIL",
+        rows.append((f"{name} {device.upper()} vs CPU", "ok" if result["ok"] else "FAIL",
                      f"stats {'ok' if result['stats'] else 'differ'}, histogram moved {result['hist_moved']:.2e}, "
                      f"top-1 trigger same {result['top1_same']:.2%}, value top token same {result['value_top_same']:.2%}",
-                     f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"))
+                     peak_gib(device)))
     if not args.skip_smollm2:
         for dtype in ("float32", "bfloat16"):
-            model = kvmem.load_model("smollm2-135m", device="cuda", dtype=dtype)
+            model = kvmem.load_model("smollm2-135m", device=device, dtype=dtype)
             r = whole_scan_ratio(model, args.tokens, 32, root / dtype)
             phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
             rows.append((f"smollm2-135m {dtype}, {args.tokens:,} tok", f"{r['ratio']:.2f}",
                          f"whole scan {r['scan_s']:.1f} s vs bare forward {r['bare_s']:.1f} s ({phases})",
-                         f"{r['peak_gb']:.2f}"))
+                         r["peak_gb"]))
             del model
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     print(f"\nkvmem {kvmem.__version__} on {machine()}\n")
     print("| check | result (ratio: bare / whole scan) | details | peak GPU GiB |")
     print("|---|---|---|---|")
