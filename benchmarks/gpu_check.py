@@ -63,7 +63,7 @@ def compare(cpu, gpu) -> dict:
     key = ["layer", "neuron", "kind"]
     first_a = ta[ta["rank"] == 0].set_index(key)
     first_b = tb[tb["rank"] == 0].set_index(key)
-    joined = first_a.join(first_b, rsuffix="_gpu", how="inner")
+    joined = first_a.merge(first_b, left_index=True, right_index=True, suffixes=("", "_gpu"))
     same = (joined.doc == joined.doc_gpu) & (joined.pos == joined.pos_gpu)
     act_ok = np.allclose(joined.activation[same], joined.activation_gpu[same], rtol=1e-4, atol=1e-5)
     va, vb = cpu.table("values"), gpu.table("values")
