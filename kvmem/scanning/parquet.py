@@ -13,18 +13,31 @@ from kvmem.schema import ROW_GROUP_NEURONS
 __all__ = ["write_parquet"]
 
 
+def _dictionary_columns(schema: pa.Schema) -> list[str]:
+    """Columns worth dictionary encoding: strings, lists of strings and integers (few distinct
+    values: layers, kinds, tokens, contexts shared by many neurons). Floats are not: their
+    dictionaries overflow and fall back to plain, which costs time for nothing."""
+    def worth(kind: pa.DataType) -> bool:
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            return worth(kind.value_type)
+        return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)
+
+    return [field.name for field in schema if worth(field.type)]
+
+
 def write_parquet(path: Path, table: pa.Table) -> None:
     """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons (tables without
     layer and neuron columns, such as sample_contexts, in row groups of 64k rows)."""
+    options = dict(compression="zstd", use_dictionary=_dictionary_columns(table.schema) or False)
     if "layer" not in table.column_names:
-        pq.write_table(table, path, compression="zstd", row_group_size=1 << 16)
+        pq.write_table(table, path, row_group_size=1 << 16, **options)
         return
     layer = table.column("layer").to_numpy().astype(np.int64)
     neuron = table.column("neuron").to_numpy().astype(np.int64)
     group = layer * (1 << 24) + neuron // ROW_GROUP_NEURONS
     cuts = np.flatnonzero(np.diff(group)) + 1 if len(group) else np.array([], np.int64)
     bounds = [0, *cuts.tolist(), len(group)]
-    with pq.ParquetWriter(path, table.schema, compression="zstd") as writer:
+    with pq.ParquetWriter(path, table.schema, **options) as writer:
         for start, stop in zip(bounds[:-1], bounds[1:]):
             if stop > start or len(group) == 0:
                 writer.write_table(table.slice(start, stop - start), row_group_size=max(stop - start, 1))
