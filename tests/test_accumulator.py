@@ -103,3 +103,21 @@ def test_samples_do_not_depend_on_code_order():
     assert torch.equal(a.bins.codes, b.bins.codes)
     assert torch.equal(a.bins.values.nan_to_num(9), b.bins.values.nan_to_num(9))
     assert (a.random.codes >= 0).all()
+
+
+def test_sample_order_breaks_equal_keys_by_code():
+    """Keys are hashes and almost never tie; when two real keys do, the lower code goes first
+    (numpy lexsort as the oracle), along either dimension, with empties (code -1) last."""
+    from kvmem.scanning.sampling import _NO_KEY, _order
+
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 4, (6, 9))  # many equal keys
+    codes = rng.permutation(54).reshape(6, 9).astype(np.int64)
+    codes[0, 0], keys[0, 0] = -1, _NO_KEY  # an empty entry
+    for dim in (0, 1):
+        got = _order(torch.tensor(keys), torch.tensor(codes), dim).numpy()
+        sort_codes = np.where(codes < 0, np.iinfo(np.int64).max, codes)
+        for i in range(keys.shape[1 - dim]):
+            k = keys[:, i] if dim == 0 else keys[i]
+            c = sort_codes[:, i] if dim == 0 else sort_codes[i]
+            assert (got[:, i] if dim == 0 else got[i]).tolist() == np.lexsort((c, k)).tolist()
