@@ -7,10 +7,20 @@ import numpy as np
 import pytest
 import torch
 
+from kvmem.scanning import kernels
 from kvmem.scanning.accumulator import close_open_document, new_layer_state, update
 from kvmem.scanning.sampling import position_keys
 
 K, F, WIDTH = 3, 5, 2
+
+
+@pytest.fixture(params=["compiled", "torch"], autouse=True)
+def engine(request, monkeypatch):
+    """Every test runs on the compiled CPU kernels and on the torch path (a GPU's)."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "_KERNEL", [None])
+    elif not kernels.compiled_available():
+        pytest.skip("numba is not installed")
 
 
 def stream(order: list[int], lengths: list[int], acts: dict[int, np.ndarray], cuts: list[int]):

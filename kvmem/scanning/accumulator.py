@@ -19,13 +19,14 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from kvmem.scanning.histogram import HIST_BINS, histogram_update
+from kvmem.scanning.histogram import HIST_BINS
+from kvmem.scanning.kernels import batch_statistics
+from kvmem.scanning.kernels import stream_side as compiled_stream_side
 from kvmem.scanning.sampling import BinSample, RandomSample
 from kvmem.scanning.sides import (
     EMPTY,
     ContextFn,
     Side,
-    block_extremes,
     fold,
     fold_entries,
     merge_sides,
@@ -156,22 +157,6 @@ def _renormalise(acc: Tensor) -> None:
     acc[0] = hi
 
 
-_BLOCK = 32  # rows summed in float32 before the float64 accumulation
-
-
-def _column_sum(values: Tensor) -> Tensor:
-    """Σ over rows of values [N, F] -> [F] float64: float32 over blocks of 32 rows, then float64.
-
-    A block's float32 sum errs by at most ~32·2⁻²⁴ of Σ|m| in the worst case (measured 2e-8 on
-    SmolLM2's coefficients), well under a float32 coefficient's own precision, and costs a tenth of
-    a float64 sum of every value. Deterministic for a given batch.
-    """
-    n, width = values.shape
-    full = n - n % _BLOCK
-    total = values[:full].view(-1, _BLOCK, width).sum(dim=1).sum(dim=0, dtype=torch.float64)
-    return total + values[full:].sum(dim=0, dtype=torch.float64) if full < n else total
-
-
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
 def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *, docs: Tensor | None = None,
            keys: Tensor | None = None, ordered: bool = True) -> None:
@@ -187,16 +172,16 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
     if acts.shape[0] == 0:
         return
     acts = acts.float()
-    low, high = block_extremes(acts)
-    stream_side(state.top, acts, codes, context_fn, ordered, high)
-    stream_side(state.bottom, acts, codes, context_fn, ordered, low)
+    statistics = batch_statistics(acts, state.histogram, state.positive)  # one read of the batch
+    for side, extremes in ((state.top, statistics.high), (state.bottom, statistics.low)):
+        if not compiled_stream_side(side, acts, codes, context_fn, ordered, extremes):  # not on a CPU: torch
+            stream_side(side, acts, codes, context_fn, ordered, extremes)
 
     state.count += acts.shape[0]
-    _two_sum_into(state.total, _column_sum(acts))
-    _two_sum_into(state.total_sq, _column_sum(torch.mul(acts, acts, out=_scratch(acts.shape, torch.float32, acts.device))))
+    _two_sum_into(state.total, statistics.total)
+    _two_sum_into(state.total_sq, statistics.total_sq)
     _renormalise(state.total)
     _renormalise(state.total_sq)
-    state.positive += histogram_update(state.histogram, acts, _scratch(acts.shape, torch.int32, acts.device).view(-1))
 
     if state.doc_top is not None:
         _update_per_document(state, acts, codes, docs, context_fn, ordered)
@@ -204,22 +189,6 @@ def update(state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn
         state.random.update(acts, codes, keys, context_fn)
     if state.bins is not None:
         state.bins.update(acts, codes, keys)
-
-
-_SCRATCH: dict[tuple[torch.dtype, str], Tensor] = {}
-
-
-def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
-    """A reused buffer of ``shape`` for one batch's temporaries (one per dtype and device): a fresh
-    [N, F] tensor per layer and batch would be allocated, and its pages faulted in, every time."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    key = (dtype, str(device))
-    buffer = _SCRATCH.get(key)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer[:numel].view(shape)
 
 
 class _Documents:

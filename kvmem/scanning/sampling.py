@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kvmem.scanning.histogram import HIST_BINS, bin_of
+from kvmem.scanning.kernels import bin_sample as compiled_bin_sample
 
 __all__ = ["position_keys", "RandomSample", "BinSample", "KEY_BITS"]
 
@@ -170,12 +171,12 @@ class BinSample:
         if q == 0:
             return
         rows = (keys < self.limit()).nonzero().squeeze(1)  # the thinned positions
-        if rows.numel() == 0:
+        if rows.numel() == 0 or compiled_bin_sample(self, acts, rows, keys[rows], codes[rows]):
             return
         rows = rows[_order(keys[rows], codes[rows], 0)]  # by (key, code): candidates come out in that order
         row_keys, row_codes = keys[rows], codes[rows]
         sub = acts.index_select(0, rows)  # [r, F]
-        if self._last is None:  # the key each (bin, neuron) must beat, kept up to date below
+        if self._last is None or self._last_high is None:  # the key each (bin, neuron) must beat, kept up to date below
             self._last = _keys_or_none(self.codes[:, :, -1], self.seed).T.contiguous()  # [B, F]
             self._last_high = _high_bits(self._last)
         # (bin, neuron) of each value, flat in [B, F]: bin * F + neuron, int32

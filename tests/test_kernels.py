@@ -1,0 +1,159 @@
+"""The compiled CPU kernels (kvmem/scanning/kernels.py) against numpy brute force, and against
+the torch path they replace: the same state, tensor for tensor, after many batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem.scanning import kernels
+from kvmem.scanning.accumulator import close_open_document, new_layer_state, update
+from kvmem.scanning.histogram import HIST_BINS, reference_bin
+from kvmem.scanning.sampling import KEY_BITS, position_keys
+from kvmem.scanning.sides import _ROWS
+
+pytestmark = pytest.mark.skipif(not kernels.compiled_available(), reason="numba is a dependency; installed by .ci/run")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Switch the compiled kernels off for the test's duration."""
+    monkeypatch.setattr(kernels, "_KERNEL", [None])
+
+
+def special_values(rng, n: int, d_ff: int) -> np.ndarray:
+    values = (rng.standard_normal((n, d_ff)) * rng.choice([1e-3, 0.1, 1, 50, 300], (n, d_ff))).astype(np.float32)
+    picks = rng.random((n, d_ff))
+    values[picks < 0.05] = 0.0
+    values[(picks >= 0.05) & (picks < 0.1)] = -0.0
+    values[(picks >= 0.1) & (picks < 0.12)] = np.float32(1e-40)  # subnormal, > 0
+    values[(picks >= 0.12) & (picks < 0.14)] = np.float32(-1e-40)
+    values[(picks >= 0.14) & (picks < 0.15)] = 2.0**-7  # a bin edge
+    return values
+
+
+@pytest.mark.parametrize("n, d_ff", [(70, 200), (1, 3), (64, 128), (33, 257)])
+def test_batch_statistics_equal_numpy(n, d_ff):
+    rng = np.random.default_rng(n * 1000 + d_ff)
+    values = special_values(rng, n, d_ff)
+    histogram = torch.full((d_ff, HIST_BINS), 7, dtype=torch.int64)  # added to, not overwritten
+    positive = torch.full((d_ff,), 3, dtype=torch.int64)
+    got = kernels.batch_statistics(torch.from_numpy(values), histogram, positive)
+    want = np.full((d_ff, HIST_BINS), 7, np.int64)
+    for (_, neuron), value in np.ndenumerate(values):
+        want[neuron, reference_bin(float(value))] += 1
+    np.testing.assert_array_equal(histogram.numpy(), want)
+    np.testing.assert_array_equal(positive.numpy(), 3 + (values > 0).sum(0))
+    blocks = [values[b:b + _ROWS] for b in range(0, n, _ROWS)]
+    np.testing.assert_array_equal(got.low.numpy(), np.stack([b.min(0) for b in blocks]))
+    np.testing.assert_array_equal(got.high.numpy(), np.stack([b.max(0) for b in blocks]))
+    wide = values.astype(np.float64)
+    np.testing.assert_allclose(got.total.numpy(), wide.sum(0), rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(got.total_sq.numpy(), (wide * wide).sum(0), rtol=1e-12, atol=1e-300)
+
+
+def stream_batches(rng, n_docs: int, d_ff: int, *, shuffled: bool, integer: bool):
+    """Batches (acts, codes, docs, keys, ordered) of documents cut at random rows."""
+    lengths = rng.integers(1, 40, n_docs)
+    order = rng.permutation(n_docs) if shuffled else np.arange(n_docs)
+    rows = [(doc, pos) for doc in order for pos in range(lengths[doc])]
+    values = (rng.integers(-4, 5, (len(rows), d_ff)) if integer else rng.standard_normal((len(rows), d_ff)))
+    values = values.astype(np.float32)
+    cuts = sorted(rng.choice(np.arange(1, len(rows)), 6, replace=False).tolist())
+    for a, b in zip([0, *cuts], [*cuts, len(rows)]):
+        codes = torch.tensor([(int(doc) << 32) | pos for doc, pos in rows[a:b]])
+        docs = torch.tensor([int(doc) for doc, _ in rows[a:b]])
+        yield torch.from_numpy(values[a:b]), codes, docs, position_keys(codes, 0), not shuffled
+
+
+def scan_state(batches, d_ff: int):
+    state = new_layer_state(d_ff, 6, per_document=True, context_width=3, random_samples=5, bin_samples=3,
+                            sample_rate=0.5)
+    for acts, codes, docs, keys, ordered in batches:
+        def context_fn(rows, neurons, a=acts, c=codes):  # identifies (position, neuron)
+            return torch.stack([a[rows, neurons], (c[rows] % 4096).float(), neurons.float()], dim=1)
+        update(state, acts, codes, context_fn, docs=docs, keys=keys, ordered=ordered)
+    close_open_document(state)
+    return state
+
+
+def state_tensors(state) -> dict[str, torch.Tensor]:
+    tensors, _ = state.to_tensors("layer")
+    tensors["layer.random.context"] = state.random.context
+    for name, side in state.sides().items():
+        tensors[f"layer.{name}.context"] = side.context
+    return tensors
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("integer", [False, True])
+def test_compiled_state_equals_torch_state(shuffled, integer, monkeypatch):
+    """Every table of the state (kept triggers with their context, per-document bests, histograms,
+    counts, both samples) is the same to the bit. The sums: the kernel's to float64 rounding of
+    numpy's, the torch path's (float32 blocks of 32 rows) to its stated bound, 32·2⁻²⁴·Σ|m|."""
+    d_ff = 150
+    batches = list(stream_batches(np.random.default_rng(int(shuffled) * 2 + int(integer)), 60, d_ff,
+                                  shuffled=shuffled, integer=integer))
+    compiled = state_tensors(scan_state(batches, d_ff))
+    monkeypatch.setattr(kernels, "_KERNEL", [None])
+    reference = state_tensors(scan_state(batches, d_ff))
+    assert compiled.keys() == reference.keys()
+    values = torch.cat([b[0] for b in batches]).double().numpy()
+    for name, want in reference.items():
+        if name.endswith(("total", "total_sq")):
+            exact = values if name.endswith("total") else values * values
+            np.testing.assert_allclose(compiled[name].sum(0).numpy(), exact.sum(0), rtol=1e-13, atol=1e-12)
+            bound = 32 * 2.0**-24 * np.abs(exact).sum(0)
+            assert (np.abs(want.sum(0).numpy() - exact.sum(0)) <= bound).all()
+        else:
+            assert torch.equal(compiled[name].nan_to_num(123.0), want.nan_to_num(123.0)), name
+
+
+def test_bin_samples_equal_brute_force():
+    """Each (neuron, bin) keeps the q positions with the smallest (key, code) among those whose
+    key is under the rate and whose coefficient falls in the bin."""
+    rng = np.random.default_rng(11)
+    d_ff, q, rate = 40, 3, 0.5
+    batches = list(stream_batches(rng, 80, d_ff, shuffled=True, integer=False))
+    state = new_layer_state(d_ff, 2, per_document=False, context_width=1, bin_samples=q, sample_rate=rate)
+    for acts, codes, _, keys, ordered in batches:
+        update(state, acts, codes, lambda rows, neurons: torch.zeros(rows.numel(), 1), keys=keys, ordered=ordered)
+    acts = torch.cat([b[0] for b in batches]).numpy()
+    codes = torch.cat([b[1] for b in batches]).numpy()
+    keys = torch.cat([b[3] for b in batches]).numpy()
+    under = keys < int(rate * (1 << KEY_BITS))
+    for neuron in range(d_ff):
+        bins = np.array([reference_bin(float(v)) for v in acts[:, neuron]])
+        for b in range(HIST_BINS):
+            chosen = np.flatnonzero(under & (bins == b))
+            chosen = chosen[np.lexsort((codes[chosen], keys[chosen]))][:q]
+            want = np.full(q, -1, np.int64)
+            want[:chosen.size] = codes[chosen]
+            np.testing.assert_array_equal(state.bins.codes[neuron, b].numpy(), want)
+            np.testing.assert_array_equal(state.bins.values[neuron, b, :chosen.size].numpy(), acts[chosen, neuron])
+
+
+def test_compiled_key_hash_equals_position_keys():
+    """The kernel's splitmix64 (in uint64) and position_keys (in int64 torch ops) agree, seeds included."""
+    codes = torch.tensor([0, 1, 5, (7 << 32) | 3, (1 << 40) + 12345, (1 << 62) - 1])
+    for seed in (0, 1, 12345):
+        state = new_layer_state(1, 1, per_document=False, context_width=1, bin_samples=len(codes), sample_rate=1.0,
+                                seed=seed)
+        acts = torch.ones(len(codes), 1)  # one bin: the kernel orders the entries by its own hash
+        update(state, acts, codes, lambda rows, neurons: torch.zeros(rows.numel(), 1),
+               keys=position_keys(codes, seed), ordered=True)
+        kept = state.bins.codes[0].reshape(-1)
+        kept = kept[kept >= 0]
+        want = codes[torch.argsort(position_keys(codes, seed), stable=True)]
+        assert torch.equal(kept, want)
+        assert int(state.bins._last[reference_bin(1.0), 0]) == int(position_keys(codes, seed).max())  # the q-th key
+
+
+def test_kernels_off_by_environment(monkeypatch):
+    monkeypatch.setattr(kernels, "_KERNEL", [])
+    monkeypatch.setenv("KVMEM_KERNELS", "torch")
+    assert not kernels.compiled_available()
+    histogram = torch.zeros(4, HIST_BINS, dtype=torch.int64)
+    stats = kernels.batch_statistics(torch.ones(3, 4), histogram, torch.zeros(4, dtype=torch.int64))
+    assert stats.total.tolist() == [3.0] * 4 and int(histogram.sum()) == 12
