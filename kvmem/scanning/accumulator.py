@@ -21,6 +21,7 @@ from torch import Tensor
 
 from kvmem.scanning.histogram import HIST_BINS
 from kvmem.scanning.kernels import batch_statistics
+from kvmem.scanning.kernels import fold_documents as compiled_fold_documents
 from kvmem.scanning.kernels import stream_side as compiled_stream_side
 from kvmem.scanning.sampling import BinSample, RandomSample
 from kvmem.scanning.sides import (
@@ -228,15 +229,23 @@ def _update_per_document(state: LayerState, acts: Tensor, codes: Tensor, docs: T
     A document's best is its most extreme value, at its first position holding it; the context is
     read only for the documents that enter the kept ones, and for the open one."""
     unique_docs, lengths = torch.unique_consecutive(docs, return_counts=True)
-    documents = _Documents(acts, lengths.cumsum(0) - lengths, lengths)
+    starts = lengths.cumsum(0) - lengths
     continues = state.open_doc == int(unique_docs[0])
     if not continues and state.open_doc != EMPTY:  # the open document ended with the previous batch
         close_open_document(state)
+    state.open_doc = int(unique_docs[-1])
+    open_top = compiled_fold_documents(state.doc_top, state.open_top if continues else None, acts, codes, starts,
+                                       lengths, context_fn, ordered)
+    if open_top is not None:  # the compiled kernels (a CPU)
+        state.open_top = open_top
+        state.open_bottom = compiled_fold_documents(state.doc_bottom, state.open_bottom if continues else None, acts,
+                                                    codes, starts, lengths, context_fn, ordered)
+        return
+    documents = _Documents(acts, starts, lengths)
     state.open_top = _fold_documents(state.doc_top, state.open_top if continues else None, documents, codes,
                                      context_fn, ordered)
     state.open_bottom = _fold_documents(state.doc_bottom, state.open_bottom if continues else None, documents,
                                         codes, context_fn, ordered)
-    state.open_doc = int(unique_docs[-1])
 
 
 def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, codes: Tensor, context_fn: ContextFn,

@@ -20,7 +20,7 @@ from torch import Tensor
 from kvmem.scanning.histogram import _CODE_LOW, HIST_BINS, N_MAGNITUDE, histogram_update
 from kvmem.scanning.sides import _ROWS, ContextFn, Side, block_extremes
 
-__all__ = ["BatchStatistics", "batch_statistics", "stream_side", "bin_sample", "compiled_available", "scratch"]
+__all__ = ["BatchStatistics", "batch_statistics", "stream_side", "fold_documents", "bin_sample", "compiled_available", "scratch"]
 
 _STRIP = 128  # neurons per strip: one strip's histogram (64 x 128 int32) stays in L1
 
@@ -44,7 +44,7 @@ _KERNEL: list = []  # [compiled function] once compiled, [None] when numba is un
 
 
 def _compile():
-    """The numba kernels (statistics, side_insert), or None (numba missing, or KVMEM_KERNELS=torch)."""
+    """The numba kernels (statistics, side_insert, bin_insert, document_insert), or None (numba missing, or KVMEM_KERNELS=torch)."""
     if _KERNEL:
         return _KERNEL[0]
     kernels = None
@@ -129,6 +129,26 @@ def _build():
                 for b in range(HIST_BINS):
                     histogram[f0 + i, b] += counts[b * strip + i]
 
+    @numba.njit(inline="always")
+    def insert(values, kept, slots, entered, f, v, c, mark, largest, ordered):  # pragma: no cover - compiled
+        """Insert (v, c) into column f of a side if it enters: it beats the k-th value, or (out of
+        order) ties it with a lower code. ``mark`` goes into ``entered`` at its rank."""
+        k = values.shape[0]
+        kth = values[k - 1, f]
+        if not (v > kth if largest else v < kth):
+            # a tie enters only out of order, by a lower code than the k-th's (an empty one never)
+            if ordered or v != kth or not (c < kept[k - 1, f]):
+                return
+        p = k - 1
+        while p > 0:
+            u, cu = values[p - 1, f], kept[p - 1, f]
+            if (u > v if largest else u < v) or (u == v and (ordered or (cu != -1 and cu < c))):
+                break  # entry p - 1 stays ahead
+            values[p, f], kept[p, f] = u, cu
+            slots[p, f], entered[p, f] = slots[p - 1, f], entered[p - 1, f]
+            p -= 1
+        values[p, f], kept[p, f], slots[p, f], entered[p, f] = v, c, 0, mark
+
     @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
     def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, entered, largest, ordered
                     ):  # pragma: no cover - compiled
@@ -142,20 +162,30 @@ def _build():
                 if not ((e > kth if largest else e < kth) or (not ordered and e == kth)):
                     continue
                 for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
-                    v, c, kth = acts[r, f], codes[r], values[k - 1, f]
-                    if not (v > kth if largest else v < kth):
-                        # a tie enters only out of order, by a lower code than the k-th's (an empty one never)
-                        if ordered or v != kth or not (c < kept[k - 1, f]):
-                            continue
-                    p = k - 1
-                    while p > 0:
-                        u, cu = values[p - 1, f], kept[p - 1, f]
-                        if (u > v if largest else u < v) or (u == v and (ordered or (cu != -1 and cu < c))):
-                            break  # entry p - 1 stays ahead
-                        values[p, f], kept[p, f] = u, cu
-                        slots[p, f], entered[p, f] = slots[p - 1, f], entered[p - 1, f]
-                        p -= 1
-                    values[p, f], kept[p, f], slots[p, f], entered[p, f] = v, c, 0, r
+                    insert(values, kept, slots, entered, f, acts[r, f], codes[r], r, largest, ordered)
+
+    @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+    def document_insert(acts, codes, starts, lengths, open_value, open_code, continues, values, kept, slots,
+                        entered, last_value, last_code, last_row, largest, ordered):  # pragma: no cover - compiled
+        k, d_ff = values.shape
+        documents = starts.shape[0]
+        for f in numba.prange(d_ff):
+            for i in range(k):
+                entered[i, f] = -1
+            for d in range(documents):
+                row = starts[d]
+                best = acts[row, f]
+                for r in range(row + 1, row + lengths[d]):  # strictly better: the first position holding the best
+                    v = acts[r, f]
+                    if v > best if largest else v < best:
+                        best, row = v, r
+                code = codes[row]
+                if d == 0 and continues and not (best > open_value[f] if largest else best < open_value[f]):
+                    best, code, row = open_value[f], open_code[f], -2  # the earlier best stays (lower code)
+                if d < documents - 1:
+                    insert(values, kept, slots, entered, f, best, code, row, largest, ordered)
+                else:
+                    last_value[f], last_code[f], last_row[f] = best, code, row
 
     no_key = np.int64(_NO_KEY)
     golden, mix1, mix2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -204,7 +234,7 @@ def _build():
                     codes[f, b, p], values[f, b, p] = c, acts[rows[i], f]
                     last[b, f] = key_of(codes[f, b, q - 1], salt)
 
-    return statistics, side_insert, bin_insert
+    return statistics, side_insert, bin_insert, document_insert
 
 
 @torch.inference_mode()  # the scratch buffers are inference tensors
@@ -253,6 +283,48 @@ def stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, 
         rows = entered[rank, neuron]
         side.slots[rank, neuron] = side.add_context(context_fn(rows, neuron))
     return True
+
+
+def fold_documents(side: Side, open_side: Side | None, acts: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
+                   context_fn: ContextFn, ordered: bool) -> Side | None:
+    """Fold each complete document's best into ``side`` and return the last document's best, as
+    :func:`kvmem.scanning.accumulator._fold_documents` does, with the compiled kernel (None: it does
+    not apply). Documents are rows starts[s] .. starts[s] + lengths[s] - 1 of acts [N, F];
+    ``open_side``: the best so far of the first document when it continues from the previous batch.
+
+    A document's best is its most extreme value at the first position holding it; context is read
+    only for the entries still kept at the end, and for the last document.
+    """
+    kernels = _cpu_kernels(acts)
+    if kernels is None:
+        return None
+    for name in ("values", "codes", "slots"):
+        if not getattr(side, name).is_contiguous():
+            setattr(side, name, getattr(side, name).contiguous())
+    d_ff = acts.shape[1]
+    continues = open_side is not None
+    open_value = open_side.values[0].contiguous() if continues else torch.zeros(d_ff)
+    open_code = open_side.codes[0].contiguous() if continues else torch.zeros(d_ff, dtype=torch.int64)
+    entered = torch.empty(side.values.shape, dtype=torch.int64)
+    last_value, last_code = torch.empty(d_ff), torch.empty(d_ff, dtype=torch.int64)
+    last_row = torch.empty(d_ff, dtype=torch.int64)
+    kernels[3](acts.contiguous().numpy(), codes.contiguous().numpy(), starts.contiguous().numpy(),
+               lengths.contiguous().numpy(), open_value.numpy(), open_code.numpy(), continues, side.values.numpy(),
+               side.codes.numpy(), side.slots.numpy(), entered.numpy(), last_value.numpy(), last_code.numpy(),
+               last_row.numpy(), side.largest, ordered)
+
+    def context_of(rows: Tensor, neurons: Tensor) -> Tensor:  # row -2: the open document's earlier best
+        context = context_fn(rows.clamp(min=0), neurons)
+        earlier = rows == -2
+        if continues and bool(earlier.any()):
+            context[earlier] = open_side.context[0].index_select(0, neurons[earlier])
+        return context
+
+    rank, neuron = (entered != -1).nonzero(as_tuple=True)
+    if rank.numel():
+        side.slots[rank, neuron] = side.add_context(context_of(entered[rank, neuron], neuron))
+    neurons = torch.arange(d_ff)
+    return Side(last_value[None], last_code[None], context_of(last_row, neurons)[None], side.largest)
 
 
 def bin_sample(sample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor) -> bool:
