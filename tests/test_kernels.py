@@ -157,3 +157,20 @@ def test_kernels_off_by_environment(monkeypatch):
     histogram = torch.zeros(4, HIST_BINS, dtype=torch.int64)
     stats = kernels.batch_statistics(torch.ones(3, 4), histogram, torch.zeros(4, dtype=torch.int64))
     assert stats.total.tolist() == [3.0] * 4 and int(histogram.sum()) == 12
+
+
+def test_kernels_load_from_the_disk_cache(tmp_path):
+    """A second process loads every kernel from numba's cache instead of compiling it again
+    (kernels that call compiled helpers held in closures are recompiled in every process: seconds)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("from kvmem.scanning import kernels; kernels.warm_up('cpu'); "
+              "print(sum(sum(k.stats.cache_misses.values()) for k in kernels._KERNEL[0]), "
+              "sum(sum(k.stats.cache_hits.values()) for k in kernels._KERNEL[0]))")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    misses, hits = map(int, runs[1].stdout.split())
+    assert (misses, hits) == (0, 4), runs[1].stdout

@@ -24,7 +24,7 @@ from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
 from kvmem.plan import DEFAULT_WINDOW, Batch, StreamPosition, TokenPlan, iterate_batches, pack
-from kvmem.scanning import distributed
+from kvmem.scanning import distributed, kernels
 from kvmem.scanning.accumulator import (
     LayerState,
     close_open_document,
@@ -140,6 +140,9 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     else:
         state = _fresh_state(model, config, layers)
 
+    if kernels.compiled_available() and str(model.device).startswith("cpu"):
+        with phases.phase("kernels"):  # numba compiles them once per install (seconds), then loads them
+            kernels.warm_up(model.device)
     with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
         bar.update(state.tokens)
         _stream(model, corpus, plan, config, state, rank=rank, world=world, bar=bar,

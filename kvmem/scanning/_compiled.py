@@ -1,0 +1,173 @@
+"""The numba kernels of :mod:`kvmem.scanning.kernels` (imported only where numba is installed).
+
+Module-level functions, so that numba caches them on disk (kernels that call other compiled
+functions held in closures are compiled again in every process). Shapes and meaning: see the
+wrappers in kvmem/scanning/kernels.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kvmem.scanning.histogram import _CODE_LOW, HIST_BINS, N_MAGNITUDE
+from kvmem.scanning.sampling import _NO_KEY, KEY_BITS
+
+_M0 = _CODE_LOW - 1  # magnitude code at or below which the magnitude bin is 0
+_LAST_BIN = N_MAGNITUDE - 1  # the last magnitude bin
+_STRIP = 128  # neurons per strip: one strip's histogram (64 x 128 int32) stays in L1
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def statistics(acts, rows_per_block, histogram, positive, total, total_sq, low, high):  # pragma: no cover - compiled
+    n, d_ff = acts.shape
+    bits = acts.view(np.int32)
+    for s in numba.prange((d_ff + _STRIP - 1) // _STRIP):
+        f0 = s * _STRIP
+        f1 = min(d_ff, f0 + _STRIP)
+        w = f1 - f0
+        counts = np.zeros(64 * _STRIP, np.int32)  # counts[bin * _STRIP + i]
+        place = np.empty(_STRIP, np.int32)
+        sums = np.zeros(_STRIP, np.float64)
+        squares = np.zeros(_STRIP, np.float64)
+        above = np.zeros(_STRIP, np.int64)
+        for b0 in range(0, n, rows_per_block):
+            block = b0 // rows_per_block
+            lo = acts[b0, f0:f1].copy()
+            hi = acts[b0, f0:f1].copy()
+            for r in range(b0, min(n, b0 + rows_per_block)):
+                row = acts[r, f0:f1]
+                for i in range(w):
+                    v = row[i]
+                    lo[i] = v if v < lo[i] else lo[i]
+                    hi[i] = v if v > hi[i] else hi[i]
+                    d = np.float64(v)
+                    sums[i] += d
+                    squares[i] += d * d
+                    above[i] += 1 if v > 0 else 0
+                code = bits[r, f0:f1]
+                for i in range(w):
+                    t = code[i] >> 22  # sign, exponent and first mantissa bit (arithmetic shift)
+                    j = min(max((t & 0x1FF) - _M0, 0), _LAST_BIN)  # magnitude bin
+                    place[i] = (N_MAGNITUDE + (j ^ (t >> 31))) * _STRIP + i  # j ^ -1 = -1 - j for v < 0
+                for i in range(w):
+                    counts[place[i]] += 1
+            low[block, f0:f1] = lo
+            high[block, f0:f1] = hi
+        for i in range(w):
+            total[f0 + i] = sums[i]
+            total_sq[f0 + i] = squares[i]
+            positive[f0 + i] += above[i]
+            for b in range(HIST_BINS):
+                histogram[f0 + i, b] += counts[b * _STRIP + i]
+
+
+@numba.njit(inline="always")
+def insert(values, kept, slots, entered, f, v, c, mark, largest, ordered):  # pragma: no cover - compiled
+    """Insert (v, c) into column f of a side if it enters: it beats the k-th value, or (out of
+    order) ties it with a lower code. ``mark`` goes into ``entered`` at its rank."""
+    k = values.shape[0]
+    kth = values[k - 1, f]
+    if not (v > kth if largest else v < kth):
+        # a tie enters only out of order, by a lower code than the k-th's (an empty one never)
+        if ordered or v != kth or not (c < kept[k - 1, f]):
+            return
+    p = k - 1
+    while p > 0:
+        u, cu = values[p - 1, f], kept[p - 1, f]
+        if (u > v if largest else u < v) or (u == v and (ordered or (cu != -1 and cu < c))):
+            break  # entry p - 1 stays ahead
+        values[p, f], kept[p, f] = u, cu
+        slots[p, f], entered[p, f] = slots[p - 1, f], entered[p - 1, f]
+        p -= 1
+    values[p, f], kept[p, f], slots[p, f], entered[p, f] = v, c, 0, mark
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, entered, largest, ordered
+                ):  # pragma: no cover - compiled
+    n, d_ff = acts.shape
+    k = values.shape[0]
+    for f in numba.prange(d_ff):
+        for i in range(k):
+            entered[i, f] = -1
+        for b in range(extremes.shape[0]):
+            e, kth = extremes[b, f], values[k - 1, f]
+            if not ((e > kth if largest else e < kth) or (not ordered and e == kth)):
+                continue
+            for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
+                insert(values, kept, slots, entered, f, acts[r, f], codes[r], r, largest, ordered)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def document_insert(acts, codes, starts, lengths, open_value, open_code, continues, values, kept, slots,
+                    entered, last_value, last_code, last_row, largest, ordered):  # pragma: no cover - compiled
+    k, d_ff = values.shape
+    documents = starts.shape[0]
+    for f in numba.prange(d_ff):
+        for i in range(k):
+            entered[i, f] = -1
+        for d in range(documents):
+            row = starts[d]
+            best = acts[row, f]
+            for r in range(row + 1, row + lengths[d]):  # strictly better: the first position holding the best
+                v = acts[r, f]
+                if v > best if largest else v < best:
+                    best, row = v, r
+            code = codes[row]
+            if d == 0 and continues and not (best > open_value[f] if largest else best < open_value[f]):
+                best, code, row = open_value[f], open_code[f], -2  # the earlier best stays (lower code)
+            if d < documents - 1:
+                insert(values, kept, slots, entered, f, best, code, row, largest, ordered)
+            else:
+                last_value[f], last_code[f], last_row[f] = best, code, row
+
+
+_EMPTY_KEY = np.int64(_NO_KEY)
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_DROP = np.uint64(64 - KEY_BITS)
+
+
+@numba.njit(inline="always")
+def key_of(code, salt):  # pragma: no cover - compiled; position_keys of one code (_NO_KEY when empty)
+    if code < 0:
+        return _EMPTY_KEY
+    x = (np.uint64(code) ^ salt) + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    x = x ^ (x >> np.uint64(31))
+    return np.int64(x >> _DROP)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def bin_insert(acts, rows, row_keys, row_codes, codes, values, last, salt):  # pragma: no cover - compiled
+    d_ff, bins, q = codes.shape
+    bits = acts.view(np.int32)
+    for s in numba.prange((d_ff + _STRIP - 1) // _STRIP):
+        f0 = s * _STRIP
+        w = min(d_ff, f0 + _STRIP) - f0
+        cell = np.empty(_STRIP, np.int64)
+        for i in range(rows.shape[0]):
+            key, c, code = row_keys[i], row_codes[i], bits[rows[i], f0:f0 + w]
+            for j in range(w):  # each neuron's bin, and whether the key is under that bin's q-th (a first cut)
+                t = code[j] >> 22
+                b = N_MAGNITUDE + (min(max((t & 0x1FF) - _M0, 0), _LAST_BIN) ^ (t >> 31))
+                cell[j] = b if key <= last[b, f0 + j] else -1
+            for j in range(w):
+                b = cell[j]
+                if b < 0:
+                    continue
+                f = f0 + j
+                if key == last[b, f] and not (c < codes[f, b, q - 1] or codes[f, b, q - 1] < 0):
+                    continue  # ties the q-th kept key with a higher code
+                p = q - 1
+                while p > 0:
+                    ahead_code = codes[f, b, p - 1]
+                    if ahead_code >= 0:
+                        ahead = key_of(ahead_code, salt)
+                        if ahead < key or (ahead == key and ahead_code < c):
+                            break
+                    codes[f, b, p], values[f, b, p] = ahead_code, values[f, b, p - 1]
+                    p -= 1
+                codes[f, b, p], values[f, b, p] = c, acts[rows[i], f]
+                last[b, f] = key_of(codes[f, b, q - 1], salt)
