@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,25 +23,28 @@ from torch import Tensor
 from kvmem.scanning.histogram import histogram_update
 from kvmem.scanning.sides import _ROWS, ContextFn, Side, block_extremes
 
-__all__ = ["BatchStatistics", "batch_statistics", "stream_side", "fold_documents", "bin_sample", "compiled_available", "warm_up", "scratch"]
+__all__ = ["BatchStatistics", "Compiled", "batch_statistics", "stream_side", "fold_documents", "bin_sample", "compiled_available", "warm_up", "scratch"]
 
 
-class BatchStatistics(tuple):
-    """(low, high, total, total_sq): block minima and maxima [ceil(N / rows), F] float32 and
-    Σm, Σm² [F] float64."""
+class BatchStatistics(NamedTuple):
+    """Block minima and maxima [ceil(N / rows), F] float32; Σm, Σm² [F] float64."""
 
-    __slots__ = ()
-
-    def __new__(cls, low: Tensor, high: Tensor, total: Tensor, total_sq: Tensor):
-        return super().__new__(cls, (low, high, total, total_sq))
-
-    low = property(lambda self: self[0])
-    high = property(lambda self: self[1])
-    total = property(lambda self: self[2])
-    total_sq = property(lambda self: self[3])
+    low: Tensor
+    high: Tensor
+    total: Tensor
+    total_sq: Tensor
 
 
-_KERNEL: list = []  # [compiled function] once compiled, [None] when numba is unavailable or switched off
+class Compiled(NamedTuple):
+    """The numba kernels (kvmem/scanning/_compiled.py)."""
+
+    statistics: Callable
+    side_insert: Callable
+    bin_insert: Callable
+    document_insert: Callable
+
+
+_KERNEL: list = []  # [Compiled] once compiled, [None] when numba is unavailable or switched off
 
 
 def _compile():
@@ -102,7 +107,7 @@ def _build():
     """The compiled kernels (an ImportError where numba is not installed)."""
     from kvmem.scanning import _compiled
 
-    return _compiled.statistics, _compiled.side_insert, _compiled.bin_insert, _compiled.document_insert
+    return Compiled(_compiled.statistics, _compiled.side_insert, _compiled.bin_insert, _compiled.document_insert)
 
 
 @torch.inference_mode()  # the scratch buffers are inference tensors
@@ -124,9 +129,26 @@ def batch_statistics(acts: Tensor, histogram: Tensor, positive: Tensor) -> Batch
     high = torch.empty(blocks, d_ff, dtype=torch.float32)
     total = torch.empty(d_ff, dtype=torch.float64)
     total_sq = torch.empty(d_ff, dtype=torch.float64)
-    kernels[0](acts.numpy(), _ROWS, histogram.numpy(), positive.numpy(), total.numpy(), total_sq.numpy(),
+    kernels.statistics(acts.numpy(), _ROWS, histogram.numpy(), positive.numpy(), total.numpy(), total_sq.numpy(),
            low.numpy(), high.numpy())
     return BatchStatistics(low, high, total, total_sq)
+
+
+def _writable(side: Side) -> Tensor:
+    """Make the side's values, codes and slots contiguous (the kernels write them in place) -> a
+    fresh ``entered`` [k, F] int64 for the kernel to mark the new entries' rows in."""
+    for name in ("values", "codes", "slots"):
+        if not getattr(side, name).is_contiguous():
+            setattr(side, name, getattr(side, name).contiguous())
+    return torch.empty(side.values.shape, dtype=torch.int64)
+
+
+def _add_context(side: Side, entered: Tensor, context_of: ContextFn) -> None:
+    """Read the context of the entries a kernel let in (``entered`` [k, F]: their row, -1 for kept
+    entries) and point their slots at it."""
+    rank, neuron = (entered != -1).nonzero(as_tuple=True)
+    if rank.numel():
+        side.slots[rank, neuron] = side.add_context(context_of(entered[rank, neuron], neuron))
 
 
 def stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool, extremes: Tensor) -> bool:
@@ -140,16 +162,10 @@ def stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, 
     kernels = _cpu_kernels(acts)
     if kernels is None:
         return False
-    for name in ("values", "codes", "slots"):
-        if not getattr(side, name).is_contiguous():
-            setattr(side, name, getattr(side, name).contiguous())
-    entered = torch.empty(side.values.shape, dtype=torch.int64)
-    kernels[1](acts.contiguous().numpy(), codes.contiguous().numpy(), extremes.contiguous().numpy(), _ROWS,
+    entered = _writable(side)
+    kernels.side_insert(acts.contiguous().numpy(), codes.contiguous().numpy(), extremes.contiguous().numpy(), _ROWS,
                side.values.numpy(), side.codes.numpy(), side.slots.numpy(), entered.numpy(), side.largest, ordered)
-    rank, neuron = (entered >= 0).nonzero(as_tuple=True)
-    if rank.numel():
-        rows = entered[rank, neuron]
-        side.slots[rank, neuron] = side.add_context(context_fn(rows, neuron))
+    _add_context(side, entered, context_fn)
     return True
 
 
@@ -166,17 +182,14 @@ def fold_documents(side: Side, open_side: Side | None, acts: Tensor, codes: Tens
     kernels = _cpu_kernels(acts)
     if kernels is None:
         return None
-    for name in ("values", "codes", "slots"):
-        if not getattr(side, name).is_contiguous():
-            setattr(side, name, getattr(side, name).contiguous())
+    entered = _writable(side)
     d_ff = acts.shape[1]
     continues = open_side is not None
     open_value = open_side.values[0].contiguous() if continues else torch.zeros(d_ff)
     open_code = open_side.codes[0].contiguous() if continues else torch.zeros(d_ff, dtype=torch.int64)
-    entered = torch.empty(side.values.shape, dtype=torch.int64)
     last_value, last_code = torch.empty(d_ff), torch.empty(d_ff, dtype=torch.int64)
     last_row = torch.empty(d_ff, dtype=torch.int64)
-    kernels[3](acts.contiguous().numpy(), codes.contiguous().numpy(), starts.contiguous().numpy(),
+    kernels.document_insert(acts.contiguous().numpy(), codes.contiguous().numpy(), starts.contiguous().numpy(),
                lengths.contiguous().numpy(), open_value.numpy(), open_code.numpy(), continues, side.values.numpy(),
                side.codes.numpy(), side.slots.numpy(), entered.numpy(), last_value.numpy(), last_code.numpy(),
                last_row.numpy(), side.largest, ordered)
@@ -188,9 +201,7 @@ def fold_documents(side: Side, open_side: Side | None, acts: Tensor, codes: Tens
             context[earlier] = open_side.context[0].index_select(0, neurons[earlier])
         return context
 
-    rank, neuron = (entered != -1).nonzero(as_tuple=True)
-    if rank.numel():
-        side.slots[rank, neuron] = side.add_context(context_of(entered[rank, neuron], neuron))
+    _add_context(side, entered, context_of)
     neurons = torch.arange(d_ff)
     return Side(last_value[None], last_code[None], context_of(last_row, neurons)[None], side.largest)
 
@@ -209,7 +220,7 @@ def bin_sample(sample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: 
     if not (sample.codes.is_contiguous() and sample.values.is_contiguous()):
         sample.codes, sample.values = sample.codes.contiguous(), sample.values.contiguous()
     salt = np.uint64((sample.seed * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
-    kernels[2](acts.contiguous().numpy(), rows.numpy(), row_keys.numpy(), row_codes.numpy(), sample.codes.numpy(),
+    kernels.bin_insert(acts.contiguous().numpy(), rows.numpy(), row_keys.numpy(), row_codes.numpy(), sample.codes.numpy(),
                sample.values.numpy(), sample._last.numpy(), salt)
     sample._last_high = None  # the torch path's first cut, stale now
     return True
