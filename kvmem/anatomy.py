@@ -11,14 +11,12 @@ With d_ff = 4d the plain count is 8d² + 5d (GPT-2 small, d=768: 4,722,432).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from kvmem.models import Model
 
 __all__ = [
     "ffn_params",
@@ -28,6 +26,7 @@ __all__ = [
     "HiddenMemory",
     "hidden_activation_memory",
     "model_anatomy",
+    "CountedModel",
 ]
 
 
@@ -117,7 +116,21 @@ def hidden_activation_memory(batch: int, seq: int, d_ff: int, *, bytes_per_value
     return HiddenMemory(entries, entries * bytes_per_value, 2 if gated else 0)
 
 
-def model_anatomy(model: Model) -> pd.DataFrame:
+class CountedModel(Protocol):
+    """What :func:`model_anatomy` reads from a loaded model; a :class:`kvmem.models.Model` has it all
+    (this module stays below ``kvmem.models``, which imports it)."""
+
+    n_layers: int
+    d_model: int
+    d_ff: int
+    gated: bool
+    has_bias: bool
+    parameter_counts: dict[int, tuple[int, int]]  # layer -> (FFN, attention) parameters counted in the HF modules
+
+    def describe(self) -> dict: ...
+
+
+def model_anatomy(model: CountedModel) -> pd.DataFrame:
     """Per-layer counts of a loaded model's real parameters beside the formula.
 
     Counts are taken from the HF modules as loaded (``Model.parameter_counts``), before the

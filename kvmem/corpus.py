@@ -1,4 +1,4 @@
-"""Corpora: real text as a stream of documents with stable ids, and the tokenization rule.
+"""Corpora: real text as a re-iterable stream of documents, each with its place in the stream and a stable id.
 
 Sources (:func:`open_corpus`):
 - built-in, nothing to install: ``pydoc`` (the running Python's ``pydoc_data.topics``) and
@@ -9,13 +9,17 @@ Sources (:func:`open_corpus`):
   skipped; each package's licence (from its metadata) is recorded with the corpus;
 - a path: ``.txt``/``.txt.gz``, ``.jsonl``/``.jsonl.gz`` (a chosen text field), ``.parquet``
   (a text column), or a directory of these (sorted, recursive);
-- a Python list of strings, a ``datasets.Dataset``;
+- a Python list of strings, a ``datasets.Dataset``, or a :class:`Corpus` (split again by ``unit``);
 - ``hf:NAME[:CONFIG][:SPLIT]`` through the ``datasets`` library (streaming; needs a hub).
 
 ``unit`` splits each source record further: ``document`` (as is; a .txt file is one
-document), ``paragraph`` (blank-line separated), ``line`` or ``sentence``.
+document), ``paragraph`` (blank-line separated), ``line`` or ``sentence``. A record's id names its
+source and place, e.g. ``pydoc:TOPIC``, ``FILE`` (relative to a directory), ``FILE:LINE`` (JSONL),
+``FILE:ROW`` (parquet), ``list:I``, ``hf:NAME:I``; a unit adds ``#pI``, ``#lI`` or ``#sI``. Parts
+holding only whitespace are dropped, and lone UTF-16 surrogates become U+FFFD.
+:meth:`Corpus.describe` is what a manifest records.
 
-How documents become model inputs (windows, BOS, batches, shards) is :mod:`kvmem.plan`'s rule.
+How documents become model inputs (tokens, windows, BOS, batches, shards) is :mod:`kvmem.plan`'s rule.
 """
 
 from __future__ import annotations

@@ -73,10 +73,6 @@ class Manifest:
         """The part of the blocks this atlas scanned (i, n); (0, 1) for a whole or merged scan."""
         return tuple(self.timing.get("shard", (0, 1)))
 
-    @property
-    def d_ff(self) -> int:
-        return int(self.model["d_ff"])
-
     # ---- dict / file ----
     def to_dict(self) -> dict:
         return asdict(self)

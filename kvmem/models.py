@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmem.anatomy import model_anatomy
 from kvmem.architectures import ACTIVATIONS, ArchitectureSpec, get_spec, hook_name
 from kvmem.builtin import BUILTIN_MODELS, gpt2_random_dir, sha256_file, smollm2_dir
 from kvmem.errors import KvmemError
@@ -327,8 +328,6 @@ class Model:
     # ---- description ----
     def anatomy(self) -> pd.DataFrame:
         """Per-layer FFN and attention parameter counts of this model beside the formula."""
-        from kvmem.anatomy import model_anatomy
-
         return model_anatomy(self)
 
     def describe(self) -> dict:

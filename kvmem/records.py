@@ -28,9 +28,9 @@ from itertools import takewhile
 import numpy as np
 
 from kvmem.errors import KvmemError
+from kvmem.scanned import check_model, scanned_corpus
 
-__all__ = ["ActivationRecord", "ContextRequest", "activation_records", "context_coefficients", "scanned_corpus",
-           "check_model", "load_scanned_model"]
+__all__ = ["ActivationRecord", "ContextRequest", "activation_records", "context_coefficients"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,39 +109,6 @@ def activation_records(atlas, frame, *, model=None, corpus=None, recompute: bool
 
 def _list(value) -> list:
     return [] if value is None else list(value)
-
-
-def check_model(atlas, model) -> None:
-    """Refuse a model other than the scanned one (weights fingerprint in the manifest)."""
-    expected = atlas.manifest.model["fingerprint"]
-    if model.fingerprint != expected:
-        raise KvmemError(f"model {model.name} (fingerprint {model.fingerprint}) is not the scanned model "
-                         f"{atlas.manifest.model['name']} ({expected}); pass the model the atlas was scanned with")
-
-
-def load_scanned_model(atlas, *, device=None):
-    """The scanned model, loaded by the name in the manifest (a built-in name, local directory or hub id)."""
-    from kvmem.models import load_model
-
-    meta = atlas.manifest.model
-    model = load_model(meta["name"], device=device, dtype=meta.get("dtype"), revision=meta.get("revision"))
-    check_model(atlas, model)
-    return model
-
-
-def scanned_corpus(atlas, corpus=None):
-    """The scanned corpus as a :class:`~kvmem.corpus.Corpus` (``corpus`` given, or reopened from the manifest)."""
-    from kvmem.corpus import open_corpus
-
-    meta = atlas.manifest.corpus
-    unit, text_field = meta.get("unit", "document"), meta.get("text_field", "text")
-    if corpus is not None:
-        return open_corpus(corpus, unit=unit, text_field=text_field)
-    spec = str(meta["spec"])
-    if spec.startswith(("list[", "dataset[")):
-        raise KvmemError(f"the atlas was scanned from an in-memory corpus ({spec}); pass the same documents as "
-                         f"corpus= (--corpus FILE for a saved copy)")
-    return open_corpus(spec, unit=unit, text_field=text_field)
 
 
 def context_coefficients(atlas, model, requests: Sequence[ContextRequest], *, corpus=None) -> list[np.ndarray]:

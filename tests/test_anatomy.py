@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
+import pandas as pd
 import pytest
 
 import kvmem
+import kvmem.anatomy
 from kvmem.anatomy import attention_params, ffn_flops_per_token, ffn_params, ffn_share, hidden_activation_memory
 
 
@@ -51,6 +56,16 @@ def test_model_anatomy_counts_real_parameters(tiny_model):
         assert table.attention_params.iloc[0] == attention_params(64, d_kv=32, qkv_bias=False, out_bias=False)
     else:
         assert table.ffn_params.iloc[0] == ffn_params(64) and table.attention_params.iloc[0] == attention_params(64)
+    # both spellings of the public API give the same table
+    pd.testing.assert_frame_equal(kvmem.anatomy.model_anatomy(tiny_model), table)
+
+
+def test_anatomy_sits_below_models():
+    """models.py imports anatomy (Model.anatomy()); anatomy imports nothing of models, not even for typing."""
+    tree = ast.parse(Path(kvmem.anatomy.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not any(name and name.startswith("kvmem.models") for name in imported), imported
 
 
 def test_anatomy_cli(gpt2_dir, capsys):

@@ -152,6 +152,22 @@ def test_neuron_explainer_round_trip(gpt2_atlas, gpt2_model, tmp_path):
         assert record.skewness is not None and record.kurtosis is not None and record.kurtosis >= -2
 
 
+def test_export_of_an_atlas_without_context_activations(gpt2_atlas, gpt2_model, tmp_path):
+    """Bug fixed: the random samples of an atlas scanned without context activations were read without the
+    model, so the export stopped with 'pass model='; they are now computed like the triggers."""
+    bare = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "bare", top_k=4, window=8, top_n=5, progress=False,
+                      context_activations=False)
+    out = export_atlas(bare, out=tmp_path / "ne", neurons=[(1, n) for n in NEURONS], model=gpt2_model,
+                       corpus=SHORT_DOCS, quantiles=False)
+    for neuron in NEURONS:
+        record = load_record(out / "neurons" / "1" / f"{neuron}.json")
+        stored = gpt2_atlas.samples(1, neuron, kind="random")  # the same seeded sample, contexts stored by the scan
+        assert len(record.random_sample) == len(stored) > 0
+        for r, row in zip(record.random_sample, stored.itertuples()):
+            assert r.tokens == list(row.context_tokens)
+            np.testing.assert_allclose(r.activations, row.context_activations, rtol=1e-5, atol=1e-6)
+
+
 def test_moments_are_exact_for_values_the_samples_hold():
     """Every bin keeps all its values: the stratified estimate is the exact skewness and excess kurtosis."""
     import pandas as pd

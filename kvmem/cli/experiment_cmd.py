@@ -17,6 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from kvmem.cli.options import add_layers_option, parse_layers
 from kvmem.errors import KvmemError
 from kvmem.experiments.registry import EXPERIMENTS
 
@@ -34,22 +35,6 @@ def _ints(option: str, example: str):
         except ValueError:
             raise KvmemError(f"{option} expects comma-separated integers like {example}, got {text!r}") from None
     return parse
-
-
-def parse_layers(text: str | None) -> list[int] | None:
-    """'0,5,10-12' -> [0, 5, 10, 11, 12]."""
-    if text is None:
-        return None
-    layers: set[int] = set()
-    try:
-        for part in text.split(","):
-            low, _, high = part.strip().partition("-")
-            layers.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise KvmemError(f"--layers expects comma-separated layers or ranges like 0,5,10-12, got {text!r}") from None
-    if not layers:
-        raise KvmemError(f"--layers names no layer: {text!r}")
-    return sorted(layers)
 
 
 def _bos(text: str) -> list:
@@ -102,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--threshold", type=float, default=None, help="active when m_i > threshold")
     parser.add_argument("--abs-threshold", type=float, default=None, help="active when |m_i| > this (gated FFNs)")
     parser.add_argument("--top-memories", type=int, default=None, help="layer-vs-memories: heaviest memories compared")
-    parser.add_argument("--layers", default=None, help="layers, e.g. 0,5,10-12 (default: all)")
+    add_layers_option(parser, "layers (default: all the atlas holds)")
     parser.add_argument("--seed", type=int, default=None, help="sampling and bootstrap seed (default 0)")
     parser.add_argument("--n-boot", type=int, default=None, help="bootstrap replicates (default 1000)")
     parser.add_argument("--bos", default=None,

@@ -1,11 +1,13 @@
 """``kvmem export``: write an atlas's neurons in another tool's format (formats: :data:`kvmem.export.FORMATS`).
 
-    kvmem export --atlas A --format neuron-explainer --out DIR [--layers L ...] [--neurons L:N ...] [--model M]
+    kvmem export --atlas A --format neuron-explainer --out DIR [--layers 0,5,10-12] [--neurons L:N ...] [--model M]
 """
 
 from __future__ import annotations
 
 import argparse
+
+from kvmem.cli.options import add_layers_option, parse_layers
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -15,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
     parser.add_argument("--format", required=True, choices=list(FORMATS), help=formats)
     parser.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
-    parser.add_argument("--layers", type=int, nargs="+", default=None, help="export every neuron of these layers")
+    add_layers_option(parser, "export every neuron of these layers")
     parser.add_argument("--neurons", type=_pair, nargs="+", default=None, metavar="L:N",
                         help="export these neurons (with --layers: both); neither: the whole atlas")
     parser.add_argument("--model", default=None,
@@ -48,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         from kvmem.models import load_model
 
         model = load_model(args.model, device=args.device, dtype=atlas.manifest.model.get("dtype"))
-    out = export_atlas(atlas, format=args.format, out=args.out, layers=args.layers, neurons=args.neurons, model=model,
-                       corpus=args.corpus, overwrite=args.overwrite, progress=not args.no_progress,
+    out = export_atlas(atlas, format=args.format, out=args.out, layers=parse_layers(args.layers), neurons=args.neurons,
+                       model=model, corpus=args.corpus, overwrite=args.overwrite, progress=not args.no_progress,
                        quantiles=not args.no_quantiles, per_band=args.per_band)
     print(f"wrote {args.format} export of {len(list((out / 'kvmem').glob('*/*.json')))} neuron(s) to {out}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.cli.options import add_layers_option, parse_layers
 from kvmem.conventions import CONVENTIONS
 
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--out", required=True, help="atlas directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    parser.add_argument("--layers", default=None, help="e.g. 0,3,5-8 (default: all)")
+    add_layers_option(parser, "layers to scan (default: all)")
     parser.add_argument("--top-k", type=int, default=25)
     parser.add_argument("--per-document", action="store_true", help="also keep the best position of each document")
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--no-key-projections", action="store_true",
                         help="skip projecting keys through the input embedding (saves vocabulary passes)")
     parser.add_argument("--no-context-activations", action="store_true",
-                        help="skip recomputing each trigger's neuron on its context (saves one forward)")
+                        help="do not store each kept trigger's coefficients on its context tokens (they come from "
+                             "the same forward; skipping them saves memory and atlas space)")
     parser.add_argument("--shard", default="0/1",
                         help="scan part i of N (blocks of --block-documents documents, block %% N == i); "
                              "then 'kvmem merge' the N atlases")
@@ -47,24 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def parse_layers(text: str | None) -> list[int] | None:
-    from kvmem.errors import KvmemError
-
-    if text is None:
-        return None
-    layers: list[int] = []
-    try:
-        for part in text.split(","):
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-"))
-                layers.extend(range(lo, hi + 1))
-            else:
-                layers.append(int(part))
-    except ValueError:
-        raise KvmemError(f"--layers expects numbers and ranges like 0,3,5-8, got {text!r}") from None
-    return layers
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ Shapes use kvmem's vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``ba
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from kvmem.conventions import CONVENTIONS, convention_vectors, get_convention
+from kvmem.conventions import CONVENTIONS, get_convention
 from kvmem.errors import KvmemError
+from kvmem.scanned import FingerprintWarning, check_model, load_scanned_model, scanned_corpus
 
 if TYPE_CHECKING:
 
@@ -27,7 +27,6 @@ __all__ = [
     "SIDES",
     "FingerprintWarning",
     "as_atlas",
-    "atlas_corpus",
     "atlas_layers",
     "check_convention",
     "check_fingerprint",
@@ -45,10 +44,6 @@ __all__ = [
     "value_top_tokens",
 ]
 
-
-
-class FingerprintWarning(UserWarning):
-    """The model's weights differ from the weights the atlas was scanned with."""
 
 
 def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -152,29 +147,25 @@ def atlas_layers(atlas: Atlas, layers: Any = None) -> list[int]:
 
 
 def check_fingerprint(atlas: Atlas, model: Model) -> bool:
-    """True when ``model`` has the weights the atlas was scanned with; warns (FingerprintWarning) when not."""
-    expected = atlas.manifest.model["fingerprint"]
-    if model.fingerprint == expected:
-        return True
-    warnings.warn(f"model {model.name!r} has fingerprint {model.fingerprint}, but atlas {atlas.path} was scanned with "
-                  f"{atlas.manifest.model['name']!r} ({expected}): the numbers mix two models' weights",
-                  FingerprintWarning, stacklevel=3)
-    return False
+    """True when ``model`` has the weights the atlas was scanned with; warns (FingerprintWarning) when not:
+    the experiments' side of the one fingerprint policy (:func:`kvmem.scanned.check_model`)."""
+    return check_model(atlas, model, on_mismatch="warn", stacklevel=3)
 
 
 def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.PathLike | None = None, *,
                     device: Any = None) -> Model:
-    """The model to pair with an atlas: ``model`` if given (a Model or a name / path to load), else the atlas's own.
+    """The model to pair with an atlas: ``model`` if given (a Model or a name / path to load), else the atlas's own
+    (:func:`kvmem.scanned.load_scanned_model`: name, dtype and hub revision from the manifest).
 
     The fingerprint is checked (:func:`check_fingerprint`) either way.
     """
     from kvmem.models import Model, load_model
 
     atlas = as_atlas(atlas)
+    if model is None:
+        return load_scanned_model(atlas, device=device, on_mismatch="warn")
     if not isinstance(model, Model):
-        name = model if model is not None else atlas.manifest.model["name"]
-        dtype = atlas.manifest.model.get("dtype") if model is None else None
-        model = load_model(name, device=device, dtype=dtype)
+        model = load_model(model, device=device)
     check_fingerprint(atlas, model)
     return model
 
@@ -185,7 +176,7 @@ def resolve_corpus(atlas: Atlas | None, corpus: Any, unit: str) -> Corpus:
     from kvmem.corpus import open_corpus
 
     if atlas is not None:
-        return atlas_corpus(atlas, corpus)
+        return scanned_corpus(atlas, corpus)
     if corpus is None:
         raise KvmemError("pass a corpus (a built-in name, a path, a list of strings, ...) or an atlas to take it from")
     return open_corpus(corpus, unit=unit)
@@ -199,25 +190,6 @@ def finish_percent_axes(ax, *, ylabel: str, title: str):
     ax.set_title(title)
     ax.legend(fontsize="small")
     return ax
-
-
-def atlas_corpus(atlas: Atlas, corpus: Any = None) -> Corpus:
-    """The atlas's corpus re-opened from its manifest (same unit), or ``corpus`` opened with the atlas's unit.
-
-    Doc indices in the atlas refer to this stream, so it must be the very corpus that was scanned.
-    """
-    from kvmem.corpus import open_corpus
-
-    described = atlas.manifest.corpus
-    unit = described.get("unit", "document")
-    text_field = described.get("text_field", "text")
-    if corpus is not None:
-        return open_corpus(corpus, unit=unit, text_field=text_field)
-    spec = described["spec"]
-    if spec.startswith(("list[", "dataset[")):
-        raise KvmemError(f"atlas {atlas.path} was scanned from an in-memory corpus ({spec}) that cannot be re-opened; "
-                         f"pass the same corpus again (corpus=..., --corpus)")
-    return open_corpus(spec, unit=unit, text_field=text_field)
 
 
 def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | None = None, corpus: Any = None,
@@ -279,12 +251,13 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     if (layer, convention) not in cache:
         import torch
 
-        vectors = convention_vectors(model, model.values(layer), convention)  # [d_ff, d_model]
-        unembedding = model.unembedding().float()  # [d_model, vocab]
+        from kvmem.tracing import project
+
+        values = model.values(layer)  # [d_ff, d_model]
         tops, bottoms = [], []
         with torch.inference_mode():
-            for start in range(0, vectors.shape[0], block):
-                scores = vectors[start:start + block] @ unembedding  # [block, vocab]
+            for start in range(0, values.shape[0], block):
+                scores = project(model, values[start:start + block], convention=convention)  # [block, vocab]
                 tops.append(scores.argmax(dim=1))
                 bottoms.append(scores.argmin(dim=1))
         cache[(layer, convention)] = (torch.cat(tops).cpu().numpy(), torch.cat(bottoms).cpu().numpy())

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
 from kvmem.experiments.active import DEFAULT_ABS_THRESHOLD, sample_for
 from kvmem.experiments.common import (
@@ -45,6 +44,7 @@ from kvmem.experiments.common import (
 )
 from kvmem.experiments.forward import read_positions
 from kvmem.experiments.stats import bootstrap_ci
+from kvmem.tracing import project
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -160,11 +160,11 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
                 out = captured[names[(layer, "out")]]  # [n, d_model]
                 post = captured[names[(layer, "post")]]  # [n, d_model]
                 mid = captured[names[(layer, "mid")]] if has_mid else post - out  # [n, d_model]
-                ffn_top = (convention_vectors(model, out, convention) @ unembedding).argmax(dim=1)  # [n]
+                ffn_top = project(model, out, convention=convention).argmax(dim=1)  # [n]
                 active = m.abs() > abs_threshold if model.gated else m > threshold
                 got = memory_agreement(m, ffn_top, *tops[layer], active=active, weight=m.abs() * norms[layer][None],
                                        top_memories=top_memories)
-                released = (convention_vectors(model, post, convention) @ unembedding).argmax(dim=1)  # [n]
+                released = project(model, post, convention=convention).argmax(dim=1)  # [n]
                 got.update(released=torch.isin(released, memory_tops[layer]).numpy(),
                            released_positive=torch.isin(released, tops[layer][0]).numpy())
                 before, after = lens_top(mid), lens_top(post)

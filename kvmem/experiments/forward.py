@@ -122,7 +122,6 @@ class Sampled:
 def sample_positions(model: Model, corpus: Corpus, *, positions: int, seed: int, plan: TokenPlan) -> Sampled:
     """``positions`` distinct token positions drawn uniformly (seeded) from the tokens ``plan`` reads
     (:func:`scan_plan`); each is read with the prefix of its window the model sees."""
-    bos = plan.bos_token_id
     items = corpus_windows(model, corpus, plan)
     lengths = np.array([len(w.tokens) for w in items], np.int64)
     total = int(lengths.sum())
@@ -130,12 +129,12 @@ def sample_positions(model: Model, corpus: Corpus, *, positions: int, seed: int,
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     which = np.searchsorted(starts, chosen, side="right") - 1  # window of each sampled position
     offset = chosen - starts[which]
-    extra = 0 if bos is None else 1
+    extra = plan.offset  # index of a window's first token in the model's input
     sequences, reads, doc, pos = [], [], [], []
     for w in np.unique(which):
         item = items[int(w)]
         at = offset[which == w]
-        sequences.append(([bos] if bos is not None else []) + list(item.tokens[:int(at.max()) + 1]))
+        sequences.append(plan.model_input(item.tokens[:int(at.max()) + 1]))
         reads.append((at + extra).tolist())
         doc += [item.doc] * len(at)
         pos += (item.start + at).tolist()

@@ -29,7 +29,6 @@ import pandas as pd
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import (
     as_atlas,
-    atlas_corpus,
     atlas_layers,
     check_fingerprint,
     check_positive,
@@ -41,6 +40,7 @@ from kvmem.experiments.common import (
 )
 from kvmem.experiments.forward import read_positions, scan_plan
 from kvmem.experiments.stats import bootstrap_ci
+from kvmem.scanned import scanned_corpus
 
 if TYPE_CHECKING:
     from kvmem.atlas import Atlas
@@ -130,9 +130,9 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
     chosen = atlas_layers(atlas, layers)
     chosen_sides = memory_sides(model.gated, sides)
     match = check_fingerprint(atlas, model)
-    corpus = atlas_corpus(atlas, corpus)
+    corpus = scanned_corpus(atlas, corpus)
     plan = scan_plan(model, atlas=atlas)  # the windows and BOS the scan read
-    window, bos, extra = plan.window, plan.bos_token_id, plan.offset
+    extra = plan.offset  # index of a window's first token in the model's input
 
     picked = []
     for s, side in enumerate(chosen_sides):
@@ -165,14 +165,13 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
             if pos >= len(ids) or ids[pos] != int(samples.token_id.iat[i]):
                 raise KvmemError(f"token {pos} of document {doc} differs from the atlas's: this is not the scanned "
                                  f"corpus, or the tokenizer differs; pass the scanned corpus (corpus=) and model")
-            prefix = ids[(pos // window) * window:pos + 1]
-            head = [bos] if bos is not None else []
+            prefix = ids[plan.window_start(pos):pos + 1]
             prefix_len[i] = len(prefix)
-            sequences.append(head + prefix)
+            sequences.append(plan.model_input(prefix))
             if len(prefix) >= 2:
                 reads.append([extra + len(prefix) - 2, extra + len(prefix) - 1])
                 targets += [(i, "last"), (i, "original")]
-                sequences.append(head + prefix[1:])
+                sequences.append(plan.model_input(prefix[1:]))
                 reads.append([extra + len(prefix) - 2])
                 targets.append((i, "first"))
             else:
@@ -181,7 +180,7 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
             if len(prefix) >= 3:
                 r = int(rng.integers(1, len(prefix) - 1))
                 random_index[i] = r
-                sequences.append(head + prefix[:r] + prefix[r + 1:])
+                sequences.append(plan.model_input(prefix[:r] + prefix[r + 1:]))
                 reads.append([extra + len(prefix) - 2])
                 targets.append((i, "random"))
         neuron_of = np.array([int(samples.neuron.iat[i]) for i, _ in targets], np.int64)

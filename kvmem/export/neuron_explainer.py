@@ -53,7 +53,8 @@ def write(atlas, out: Path, neurons: list[tuple[int, int]], *, model=None, corpu
     """
     from tqdm import tqdm
 
-    from kvmem.records import activation_records, check_model, load_scanned_model
+    from kvmem.records import activation_records
+    from kvmem.scanned import check_model, load_scanned_model
 
     if not isinstance(per_band, int) or per_band < 1:
         raise KvmemError(f"per_band must be an integer >= 1, got {per_band!r}")
@@ -101,7 +102,7 @@ def _write_neuron(atlas, out: Path, layer: int, neuron: int, by_band, *, model, 
     stats = atlas.neurons.iloc[atlas.layers.index(layer) * atlas.d_ff + neuron]
     top = activation_records(atlas, atlas.triggers(layer, neuron, kind="top"), model=model, corpus=corpus)
     bottom = activation_records(atlas, atlas.triggers(layer, neuron, kind="bottom"), model=model, corpus=corpus)
-    random = activation_records(atlas, atlas.samples(layer, neuron, kind="random"))
+    random = activation_records(atlas, atlas.samples(layer, neuron, kind="random"), model=model, corpus=corpus)
     histogram = atlas.histogram(layer, neuron)
     bins = atlas.samples(layer, neuron, kind="bin")
     mean, variance, skewness, kurtosis = moments(stats, histogram, bins)
