@@ -18,10 +18,17 @@ import re
 
 from kvmem.errors import KvmemError
 
-__all__ = ["DEVICE_HELP", "resolve_device"]
+__all__ = ["DEVICE_HELP", "device_help", "resolve_device"]
 
 DEVICE_HELP = ("torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu; under torchrun "
                "cuda means cuda:LOCAL_RANK)")
+
+
+def device_help(default: str | None = None) -> str:
+    """Help text of a ``--device`` option whose default is ``default`` (None: the rule's own)."""
+    if default is None:
+        return DEVICE_HELP
+    return f"torch device: cpu, cuda or cuda:N (default: {default}; under torchrun cuda means cuda:LOCAL_RANK)"
 
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 

@@ -303,3 +303,16 @@ def test_dtypes_load_and_run_on_cpu(which, dtype, gpt2_dir, llama_dir):
     tolerance = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 5e-3}[dtype]
     torch.testing.assert_close(got, seen[1].float(), atol=tolerance, rtol=tolerance)
     assert torch.isfinite(got).all()
+
+
+def test_every_cli_device_option_has_help():
+    from kvmem.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    with_device = {name: next((a for a in sub._actions if "--device" in a.option_strings), None)
+                   for name, sub in commands.items()}
+    with_device = {name: action for name, action in with_device.items() if action is not None}
+    assert {"scan", "export", "experiment", "trace"} <= set(with_device)
+    for name, action in with_device.items():
+        assert action.help and "cpu, cuda or cuda:N" in action.help and "LOCAL_RANK" in action.help, name
