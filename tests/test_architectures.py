@@ -317,6 +317,11 @@ def test_row_against_the_hf_modules(row_name, tokenizer, tmp_path):
     # trace reads the residual the FFN reads, and what it writes
     result = kvmem.trace(model, ids[0].tolist(), top=3, n_tokens=0)
     assert result.attrs["residual_before"].startswith("hook_resid_pre" if row.parallel else "hook_resid_mid")
+    heavy = result.sub_updates[result.sub_updates.layer == layer]
+    neurons = torch.tensor(heavy.neuron.tolist())
+    oracle_weight = m[-1].abs() * written.norm(dim=1)  # [d_ff]: |m_i| ||w_i|| at the traced position
+    assert torch.equal(neurons, oracle_weight.topk(3).indices)
+    np.testing.assert_allclose(heavy.value_norm, written[neurons].norm(dim=1).numpy(), rtol=1e-5)
     ffn_norm = float(result.layers.loc[result.layers.layer == layer, "ffn_norm"].iloc[0])
     assert ffn_norm == pytest.approx(float(update[-1].norm()), rel=1e-4, abs=1e-5)
     if not row.parallel:  # after the last FFN of a serial model the lens reads the model's own prediction
