@@ -5,6 +5,17 @@ Every reader (the scan, the experiments, tracing) calls :func:`capture`. Its hoo
 inside ``model.bridge.hooks``, which removes them in ``finally``, also after an exception. With
 ``stop_early`` the forward ends as soon as every requested hook has fired: nothing after the
 last one (later blocks, the final norm, the unembedding) is computed.
+
+Why TransformerLens hooks and not plain torch hooks on the HF modules: TransformerLens has mapped
+``hook_post`` to d_model-wide tensors on some families before (TransformerLens#1645), so hook names
+are not taken on trust. With TransformerLens 4.3 and transformers 5.23, on a tiny random-init model
+of every row of :data:`kvmem.architectures.ARCHITECTURES` (gpt2 ... granite, GPT-NeoX serial and
+parallel, OPT with ``project_in``/``project_out``), ``blocks.L.mlp.hook_post`` is d_ff wide and
+equals the input of the HF down projection seen by a plain torch forward pre-hook in a plain HF
+forward (``tests/test_architectures.py`` checks it per row, in float32, bfloat16 and float16). The
+bridge also gives the residual sites (``hook_resid_pre/mid/post``) the tracer reads and the edit
+point :mod:`kvmem.intervention` uses, so one primitive stays. A row whose bridge fails that check
+would be read here with a forward pre-hook on its down projection instead.
 """
 
 from __future__ import annotations

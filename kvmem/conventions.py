@@ -5,6 +5,12 @@ are multiplied by W_U [d_model, vocab] to give vocabulary scores [n, vocab]. Too
 silently (LM-Debugger projects raw ``W_U^T v``; ffn-values projects ``lm_head(ln_f(v))``), so kvmem
 names each convention and records its name and formula beside every number it produces.
 
+What is projected is what a neuron writes into the residual stream: ``Model.written_values``
+(v_i times the gain of a norm between the FFN and the residual, Gemma-2/3 and OLMo-2, times
+Granite's residual multiplier; that norm's positive per-token 1/rms is left out, so rankings do not
+depend on it). W_U is ``Model.unembedding()``, which already holds every linear map between the
+residual and the logits (OPT's ``project_out``, Granite's ``logits_scaling``), under every convention.
+
 Adding a convention is one entry in :data:`CONVENTIONS`: a name, a formula (text recorded in
 manifests and reports) and the function that applies it.
 
@@ -65,14 +71,20 @@ def _final_norm(model: Model, vectors: Tensor) -> Tensor:
 CONVENTIONS: dict[str, Convention] = {
     "raw": Convention(
         name="raw",
-        formula="score = W_U^T v (LM-Debugger's reading: no final norm)",
+        formula="score = W_U^T w, w = the written value (v, times the post-FFN norm's gain where one sits "
+                "between the FFN and the residual, with its positive per-token 1/rms left out, times any residual "
+                "multiplier); W_U includes every linear map between the residual and the logits (LM-Debugger's "
+                "reading: no final norm)",
         apply=_raw,
     ),
     "final_norm": Convention(
         name="final_norm",
-        formula="score = W_U^T (gain * centre(v)) for LayerNorm, W_U^T (gain * v) for RMSNorm: the final "
-                "norm's linear part (as ffn-values and OpenAI's neuron viewer); the positive scale 1/sigma and "
-                "the bias are dropped, so rankings equal lm_head(ln_f(v)) up to the bias's constant offset",
+        formula="score = W_U^T (gain * centre(w)) for LayerNorm, W_U^T (gain * w) for RMSNorm, w = the written "
+                "value (v, times the post-FFN norm's gain where one sits between the FFN and the residual, with its "
+                "positive per-token 1/rms left out, times any residual multiplier): the final norm's linear part "
+                "(as ffn-values and OpenAI's neuron viewer); the positive scale 1/sigma and the bias are dropped, "
+                "so rankings equal lm_head(ln_f(w)) up to the bias's constant offset; W_U includes every linear "
+                "map between the residual and the logits",
         apply=_final_norm,
     ),
 }
@@ -94,6 +106,7 @@ def convention_vectors(model: Model, vectors: Tensor, name: str) -> Tensor:
 
 
 def value_vectors(model: Model, layer: int, name: str) -> Tensor:
-    """The values v_i of ``layer`` as convention ``name`` reads them [d_ff, d_model] float32."""
+    """The written values w_i of ``layer`` (``Model.written_values``) as convention ``name`` reads them
+    [d_ff, d_model] float32."""
     convention = get_convention(name)  # checked before the weights are read
-    return convention.apply(model, model.values(layer))
+    return convention.apply(model, model.written_values(layer))

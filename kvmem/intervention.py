@@ -2,7 +2,11 @@
 
 The edit is applied at ``blocks.L.mlp.hook_post``, the input of W2 / ``down_proj``: the number
 that multiplies value v_i. For a gated FFN this is act(x·g_i)·(x·u_i) as a whole (editing the gate
-or up projection alone would set a different number). Inside :func:`intervene` every forward
+or up projection alone would set a different number). What the edited neuron then writes into
+the residual stream follows the same semantics as every projection: m_i times the written value
+``Model.written_values(L)[i]`` (v_i times a post-FFN norm's gain and Granite's residual
+multiplier), divided, where a post-FFN norm sits (Gemma-2/3, OLMo-2), by that token's rms of the
+whole FFN output, which the edit changes too. Inside :func:`intervene` every forward
 pass is edited: ``model.bridge(ids)``, ``model.bridge.generate(...)``, and ``model.hf_model``
 calls too, since the bridge's hook points live inside the HF module tree.
 

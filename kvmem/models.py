@@ -1,7 +1,16 @@
 """Load a causal LM as a kvmem :class:`Model`: raw HF weights behind a TransformerLens bridge.
 
 No weight processing: LayerNorm is not folded, W_U is not centred. Every FFN part is read
-through the architecture table in :mod:`kvmem.architectures`.
+through the architecture table in :mod:`kvmem.architectures`. Two readings of a value exist:
+``Model.values`` (the raw W2 columns) and ``Model.written_values`` (what a neuron writes into the
+residual stream, the one every projection uses). The linear maps between the residual and the
+vocabulary (OPT's ``project_out`` and ``project_in``, Granite's scalings, Gemma's embedding scale)
+are folded into ``Model.unembedding`` and ``Model.embedding``, so both act on the residual stream.
+
+Device rule (:func:`kvmem.devices.resolve_device`): :func:`load_model` moves the HF model to its
+device before the TransformerLens bridge is built (TransformerLens leaves a pre-loaded model where
+it is and builds its split copies, e.g. Phi-3's gate and up, from the weights it finds), so every
+tensor the bridge holds lives there; ``Model.device`` reads where the parameters are.
 
 Shapes use one vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``batch``, ``pos``.
 """
@@ -16,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmem.anatomy import model_anatomy
-from kvmem.architectures import ACTIVATIONS, ArchitectureSpec, get_spec, hook_name
+from kvmem.architectures import ACTIVATIONS, ArchitectureSpec, check_config, hook_name
 from kvmem.builtin import BUILTIN_MODELS, gpt2_random_dir, sha256_file, smollm2_dir
+from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
@@ -48,7 +58,7 @@ class FinalNorm:
         """
         if self.kind == "layernorm":
             vectors = vectors - vectors.mean(dim=-1, keepdim=True)
-        return vectors * self.gain
+        return vectors * self.gain.to(vectors.device)
 
     def apply(self, x: Tensor) -> Tensor:
         """The full norm as the model applies it (scale, gain, bias), in float32: [..., d_model]."""
@@ -57,8 +67,8 @@ class FinalNorm:
         x = x.float()
         if self.kind == "layernorm":
             x = x - x.mean(dim=-1, keepdim=True)
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.gain.float()
-        return x if self.bias is None else x + self.bias.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.gain.float().to(x.device)
+        return x if self.bias is None else x + self.bias.float().to(x.device)
 
 
 def _dtype(dtype: Any) -> torch.dtype:
@@ -73,14 +83,6 @@ def _dtype(dtype: Any) -> torch.dtype:
     if dtype not in names:
         raise KvmemError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
     return names[dtype]
-
-
-def _resolve_device(device: Any) -> str:
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(device)
 
 
 def _weights_fingerprint(directory: Path) -> str:
@@ -129,7 +131,7 @@ def _load_hf(source: str, *, revision: str | None, dtype: torch.dtype, is_local:
             f"unknown model {source!r}: not a local directory and not a model on the hub; "
             f"built-in offline models are {', '.join(BUILTIN_MODELS)}"
         ) from None
-    spec = get_spec(getattr(config, "model_type", "?"))
+    spec = check_config(config)
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -150,6 +152,9 @@ def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: An
     ``name_or_path``: a built-in offline name (``smollm2-135m``, ``gpt2-random``), a local
     HF directory (config + weights + tokenizer), or a hub id (``gpt2``, ``gpt2-medium``, a
     Llama-family id, ...). ``dtype``: ``float32`` (default), ``bfloat16`` or ``float16``.
+    ``device``: ``None`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``
+    (:func:`kvmem.devices.resolve_device`; under torchrun ``cuda`` is ``cuda:LOCAL_RANK``). The
+    weights are moved there before the TransformerLens bridge is built.
 
     >>> model = load_model("smollm2-135m")  # doctest: +SKIP
     >>> model.n_layers, model.d_ff, model.gated
@@ -157,6 +162,7 @@ def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: An
     """
 
     torch_dtype = _dtype(dtype)
+    target = resolve_device(device)  # checked before any weight is read
     name = str(name_or_path)
     path = Path(name).expanduser()
     if name == "smollm2-135m":
@@ -173,12 +179,13 @@ def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: An
         source, display, is_local = name, name, False
 
     hf_model, tokenizer, spec = _load_hf(source, revision=revision, dtype=torch_dtype, is_local=is_local)
+    hf_model.to(device=target)  # before the bridge: TransformerLens keeps a pre-loaded model where it is
     if is_local:
         fingerprint = _weights_fingerprint(Path(source))
     else:
         fingerprint = "revision:" + str(getattr(hf_model.config, "_commit_hash", None) or revision or "unknown")
     return Model(hf_model, tokenizer, spec=spec, name=display, source=source, fingerprint=fingerprint,
-                 revision=revision, device=_resolve_device(device), dtype=torch_dtype)
+                 revision=revision, dtype=torch_dtype)
 
 
 class Model:
@@ -186,12 +193,13 @@ class Model:
 
     Attributes: ``name``, ``fingerprint`` (hub revision or sha256 of the weight files),
     ``n_layers``, ``d_model``, ``d_ff``, ``n_ctx``, ``vocab_size``, ``activation`` (exact HF
-    name, e.g. ``gelu_new``), ``gated``, ``has_bias``; ``bridge`` (TransformerLens
+    name, e.g. ``gelu_new``), ``gated``, ``has_bias``, ``parallel_block`` (attention and FFN read
+    the same residual), ``device`` (where the parameters are); ``bridge`` (TransformerLens
     ``TransformerBridge``), ``hf_model`` and ``tokenizer``.
     """
 
     def __init__(self, hf_model, tokenizer, *, spec: ArchitectureSpec, name: str, source: str,
-                 fingerprint: str, revision: str | None, device: str, dtype: torch.dtype):
+                 fingerprint: str, revision: str | None, dtype: torch.dtype, device: str | None = None):
         from transformer_lens.model_bridge import TransformerBridge
 
         self.spec = spec
@@ -200,30 +208,37 @@ class Model:
         self.fingerprint = fingerprint
         self.revision = revision
         self.dtype = dtype
-        self.device = device
         self.tokenizer = tokenizer
         hf_model.eval()
+        if device is not None:
+            hf_model.to(device=resolve_device(device))  # before the bridge copies anything
         self.hf_model = hf_model
+        self._folded: dict[str, tuple[tuple, Tensor]] = {}
         # counted before the bridge wraps the modules (it adds split Q/K/V copies for GPT-2)
         self.parameter_counts: dict[int, tuple[int, int]] = {
-            layer: tuple(sum(p.numel() for p in self._module(f"{spec.layers}.{layer}.{part}").parameters())
-                         for part in (spec.mlp, spec.attention))
+            layer: (self._count(layer, self._ffn_paths()), self._count(layer, (spec.attention,)))
             for layer in range(len(self._module(spec.layers)))}
         self.bridge = TransformerBridge.boot_transformers(source, hf_model=hf_model, tokenizer=tokenizer,
-                                                          device=device, dtype=dtype)
+                                                          device=self.device, dtype=dtype)
         self.bridge.eval()
         config = hf_model.config
         self.model_type: str = config.model_type
         self.n_layers: int = len(self._module(spec.layers))
         self.d_model: int = self.values(0).shape[1]
         self.d_ff: int = self.values(0).shape[0]
-        self.vocab_size: int = self.unembedding().shape[1]
+        self.vocab_size: int = self._module(spec.unembedding).weight.shape[0]
         self.n_ctx: int = next((getattr(config, f) for f in spec.n_ctx_fields if getattr(config, f, None)), 0)
         self.activation: str = next(
             (getattr(config, f) for f in spec.activation_fields if getattr(config, f, None)), "unknown"
         )
         self.gated: bool = spec.gate is not None
         self.has_bias: bool = self.key_bias(0) is not None
+        self.parallel_block: bool = spec.parallel or bool(spec.parallel_field and getattr(config, spec.parallel_field))
+
+    @property
+    def device(self) -> str:
+        """Where the parameters are, e.g. ``cpu`` or ``cuda:0``."""
+        return str(next(self.hf_model.parameters()).device)
 
     # ---- module access (the only place that walks the HF module tree) ----
     def _module(self, path: str):
@@ -232,60 +247,181 @@ class Model:
             module = module[int(part)] if part.isdigit() else getattr(module, part)
         return module
 
-    def _linear(self, layer: int, part: str | None) -> tuple[Tensor, Tensor | None] | None:
-        """(weight [out, in], bias [out] or None) of an FFN linear layer."""
+    def _optional(self, path: str | None):
+        """The module at ``path``, or None where the row names none or this model lacks it."""
+        if path is None:
+            return None
+        try:
+            return self._module(path)
+        except (AttributeError, IndexError):
+            return None
+
+    def _ffn_paths(self) -> tuple[str, ...]:
+        """Module paths inside a block that hold the FFN's parameters."""
+        if self.spec.mlp:
+            return (self.spec.mlp,)
+        return tuple(dict.fromkeys(p for p in (self.spec.key, self.spec.gate, self.spec.value) if p))
+
+    def _count(self, layer: int, paths: tuple[str, ...]) -> int:
+        return sum(p.numel() for path in paths for p in self._module(f"{self.spec.layers}.{layer}.{path}").parameters())
+
+    def _block_module(self, layer: int, path: str):
+        return self._module(f"{self.spec.layers}.{layer}.{path}")
+
+    def _linear(self, layer: int, part: str | None, *, half: int | None = None) -> tuple[Tensor, Tensor | None] | None:
+        """(weight [out, in], bias [out] or None) of an FFN linear layer; ``half`` 0/1 takes the first or
+        second half of the output rows (a fused gate/up projection)."""
         if part is None:
             return None
         self._check_layer(layer)
-        module = self._module(f"{self.spec.layers}.{layer}.{self.spec.mlp}.{part}")
+        module = self._block_module(layer, ".".join(p for p in (self.spec.mlp, part) if p))
         weight = module.weight.detach()
         if self.spec.conv1d:
             weight = weight.T
         bias = getattr(module, "bias", None)
-        return weight, (bias.detach() if bias is not None else None)
+        bias = None if bias is None else bias.detach()
+        if half is not None:
+            weight = weight.chunk(2, dim=0)[half]
+            bias = None if bias is None else bias.chunk(2, dim=0)[half]
+        return weight, bias
+
+    def _key(self, layer: int):
+        return self._linear(layer, self.spec.key, half=1 if self.spec.fused_gate_up else None)
+
+    def _gate(self, layer: int):
+        return self._linear(layer, self.spec.gate, half=0 if self.spec.fused_gate_up else None)
 
     def _check_layer(self, layer: int) -> None:
         n = len(self._module(self.spec.layers))
-        if not isinstance(layer, int) or not 0 <= layer < n:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise KvmemError(f"layer {layer!r} is out of range; this model has layers 0..{n - 1}")
+
+    def _config_float(self, field: str | None, default: float) -> float:
+        value = None if field is None else getattr(self.hf_model.config, field, None)
+        return default if value is None else float(value)
 
     # ---- FFN parts ----
     def keys(self, layer: int) -> Tensor:
-        """Keys k_i (W1 rows, or W_up rows when gated) [d_ff, d_model]."""
-        return self._linear(layer, self.spec.key)[0]
+        """Keys k_i (W1 rows, or W_up rows when gated; Phi-3: the second half of gate_up_proj) [d_ff, d_model]."""
+        return self._key(layer)[0]
 
     def key_bias(self, layer: int) -> Tensor | None:
         """b1 [d_ff], or None."""
-        return self._linear(layer, self.spec.key)[1]
+        return self._key(layer)[1]
 
     def gate_keys(self, layer: int) -> Tensor | None:
-        """Gate keys g_i (W_gate rows) [d_ff, d_model]; None for a plain FFN."""
-        linear = self._linear(layer, self.spec.gate)
+        """Gate keys g_i (W_gate rows; Phi-3: the first half of gate_up_proj) [d_ff, d_model]; None for a plain FFN."""
+        linear = self._gate(layer)
         return None if linear is None else linear[0]
 
     def gate_bias(self, layer: int) -> Tensor | None:
-        linear = self._linear(layer, self.spec.gate)
+        linear = self._gate(layer)
         return None if linear is None else linear[1]
 
     def values(self, layer: int) -> Tensor:
-        """Values v_i (columns of W2 / W_down, as rows) [d_ff, d_model]."""
+        """Values v_i, the raw columns of W2 / W_down (as rows) [d_ff, d_model]: FFN(x) = Σ_i m_i v_i + b2.
+
+        What a neuron writes into the residual stream is :meth:`written_values`; the two differ where a
+        norm or a multiplier sits between the FFN and the residual (Gemma-2/3, OLMo-2, Granite).
+        """
         return self._linear(layer, self.spec.value)[0].T
 
     def value_bias(self, layer: int) -> Tensor | None:
         """b2 [d_model], or None."""
         return self._linear(layer, self.spec.value)[1]
 
+    def post_norm_gain(self, layer: int) -> Tensor | None:
+        """Elementwise gain [d_model] of the norm between the FFN and the residual (Gemma's ``1 + w``,
+        OLMo-2's ``w``); None where the FFN output goes to the residual unnormed."""
+        self._check_layer(layer)
+        if self.spec.post_norm is None:
+            return None
+        return self._block_module(layer, self.spec.post_norm).weight.detach().float() + self.spec.norm_gain_offset
+
+    @property
+    def residual_multiplier(self) -> float:
+        """The scalar the FFN output is multiplied by before the residual add (Granite), else 1."""
+        return self._config_float(self.spec.residual_multiplier_field, 1.0)
+
+    def written_values(self, layer: int) -> Tensor:
+        """What neuron i writes into the residual stream per unit of m_i [d_ff, d_model] float32.
+
+        w_i = residual_multiplier · gain ⊙ v_i, with ``gain`` the post-FFN norm's elementwise gain
+        (:meth:`post_norm_gain`; 1 without one). That norm also divides by the per-token rms of the
+        whole FFN output, a positive scale left out here: the residual update at a token is
+        Σ_i m_i w_i / rms. Without a post-FFN norm or multiplier this is :meth:`values` (in float32).
+        """
+        values = self.values(layer).float()  # [d_ff, d_model]
+        gain = self.post_norm_gain(layer)
+        if gain is not None:
+            values = values * gain.to(values.device)
+        multiplier = self.residual_multiplier
+        return values * multiplier if multiplier != 1.0 else values
+
+    def _fold(self, key: str, parts: tuple, build) -> Tensor:
+        """A folded matrix, rebuilt when one of its source tensors changed in place."""
+        stamp = tuple((id(t), t._version) for t in parts)
+        cached = self._folded.get(key)
+        if cached is None or cached[0] != stamp:
+            self._folded[key] = (stamp, build())
+        return self._folded[key][1]
+
     def embedding(self) -> Tensor:
-        """Input embedding W_E [vocab, d_model]."""
-        return self._module(self.spec.embedding).weight.detach()
+        """What token t adds to the residual stream, row t [vocab, d_model].
+
+        The input embedding's weight, then every map to the residual the model applies: OPT's
+        ``project_in``, Gemma's ``embed_scale`` (sqrt(d_model)), Granite's ``embedding_multiplier``.
+        The raw weight where there is none (then in the model's dtype, else float32).
+        """
+        module = self._module(self.spec.embedding)
+        weight = module.weight.detach()  # [vocab, d_embed]
+        project = self._optional(self.spec.embedding_projection)
+        scale = getattr(module, "embed_scale", None)
+        multiplier = self._config_float(self.spec.embedding_multiplier_field, 1.0)
+        if project is None and scale is None and multiplier == 1.0:
+            return weight
+        parts = (weight,) + (() if project is None else (project.weight,))
+
+        def build() -> Tensor:
+            folded = weight.float()
+            if project is not None:
+                folded = folded @ project.weight.detach().float().T  # [vocab, d_model]
+            if scale is not None:
+                folded = folded * scale.to(weight.dtype).float()
+            return folded * multiplier
+
+        return self._fold("embedding", parts, build)
 
     def unembedding(self) -> Tensor:
-        """Unembedding W_U [d_model, vocab] (logits = final_norm(x) @ W_U + b_U)."""
-        return self._module(self.spec.unembedding).weight.detach().T
+        """W_U [d_model, vocab]: the map from the residual after the final norm to the logits.
+
+        ``lm_head``'s weight, with every linear map between the final norm and the logits folded in:
+        OPT's ``project_out`` and Granite's division by ``logits_scaling``, so that
+        logits = final_norm(x) @ W_U + b_U (Gemma-2's tanh soft-cap, monotone, is applied by
+        :meth:`logits` only). The raw weight where there is none (model dtype), else float32.
+        """
+        weight = self._module(self.spec.unembedding).weight.detach()  # [vocab, d_embed]
+        project = self._optional(self.spec.unembedding_projection)
+        scaling = self._config_float(self.spec.logits_scaling_field, 1.0)
+        if project is None and scaling == 1.0:
+            return weight.T
+        parts = (weight,) + (() if project is None else (project.weight,))
+
+        def build() -> Tensor:
+            folded = weight.float().T  # [d_embed, vocab]
+            if project is not None:
+                folded = project.weight.detach().float().T @ folded  # [d_model, vocab]
+            return folded / scaling
+
+        return self._fold("unembedding", parts, build)
 
     def unembedding_bias(self) -> Tensor | None:
+        """b_U [vocab] (GPT-J, Phi), scaled like W_U; None without one."""
         bias = getattr(self._module(self.spec.unembedding), "bias", None)
-        return None if bias is None else bias.detach()
+        if bias is None:
+            return None
+        scaling = self._config_float(self.spec.logits_scaling_field, 1.0)
+        return bias.detach() if scaling == 1.0 else bias.detach().float() / scaling
 
     def final_norm(self) -> FinalNorm:
         module = self._module(self.spec.final_norm)
@@ -293,6 +429,21 @@ class Model:
         bias = getattr(module, "bias", None)
         eps = float(getattr(module, "eps", None) or getattr(module, "variance_epsilon", 1e-5))
         return FinalNorm(self.spec.norm_kind, gain, None if bias is None else bias.detach(), eps)
+
+    def logits(self, resid: Tensor) -> Tensor:
+        """The model's own logits from residuals entering the final norm: [..., d_model] -> [..., vocab] float32.
+
+        The full final norm, W_U and b_U (:meth:`unembedding`), then Gemma-2's tanh soft-cap where the
+        config has one: what the model computes at its last position.
+        """
+        import torch
+
+        logits = self.final_norm().apply(resid) @ self.unembedding().float().to(resid.device)
+        bias = self.unembedding_bias()
+        if bias is not None:
+            logits = logits + bias.float().to(resid.device)
+        cap = self._config_float(self.spec.logit_softcap_field, 0.0)
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def hook_name(self, layer: int, site: str = "post") -> str:
         """TransformerLens hook name, e.g. ``blocks.3.mlp.hook_post`` (coefficients m)."""
@@ -348,6 +499,9 @@ class Model:
             "gated": self.gated,
             "has_bias": self.has_bias,
             "final_norm": self.spec.norm_kind,
+            "post_ffn_norm": self.spec.post_norm,
+            "residual_multiplier": self.residual_multiplier,
+            "parallel_block": self.parallel_block,
             "dtype": str(self.dtype).removeprefix("torch."),
         }
 

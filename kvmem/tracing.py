@@ -1,10 +1,19 @@
 """Trace a prediction through the FFN layers: which memories build it, layer by layer.
 
 For one position of one prompt, :func:`trace` reads every layer's coefficients m (``hook_post``)
-and ranks the sub-updates m_i v_i by their weight |m_i|·‖v_i‖ (Geva et al. 2022). Each value is
-projected through the unembedding under a named convention (:mod:`kvmem.conventions`) to show
-the tokens it promotes. The residual stream before and after each FFN is read with the logit lens:
-the full final norm, then W_U and b_U, exactly as the model computes its real logits.
+and ranks the sub-updates m_i w_i by their weight |m_i|·‖w_i‖ (Geva et al. 2022), with w_i the
+value as the neuron writes it into the residual (``Model.written_values``: v_i times a post-FFN
+norm's gain and Granite's residual multiplier; the post-FFN norm's positive per-token 1/rms is left
+out). Each written value is projected through the unembedding under a named convention
+(:mod:`kvmem.conventions`) to show the tokens it promotes. The residual stream before and after each
+FFN is read with the logit lens (``Model.logits``): the full final norm, W_U and b_U with every map
+to the logits folded in, and Gemma-2's soft-cap, exactly as the model computes its real logits.
+
+"Before the FFN" is the residual the FFN reads: ``hook_resid_mid`` in a serial block, and
+``hook_resid_pre`` in a parallel block (GPT-J, Phi, GPT-NeoX with ``use_parallel_residual``), where
+attention and FFN both read the block's input. "After" is that residual plus what the FFN writes
+(``hook_resid_post`` in a serial block; in a parallel block, the block input plus the FFN's own
+output, without attention's). Each trace records which in ``attrs["residual_before"]``.
 
 Shapes use one vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``pos``.
 """
@@ -38,20 +47,22 @@ SUB_UPDATE_COLUMNS: dict[str, str] = {
     "rank": "1 = the heaviest sub-update of this layer at this position",
     "neuron": "neuron i of the layer (0..d_ff-1)",
     "coefficient": "m_i at hook_post (signed; gated FFNs have large negative ones)",
-    "value_norm": "||v_i||",
-    "weight": "|m_i| * ||v_i||",
+    "value_norm": "||w_i||, the written value (Model.written_values)",
+    "weight": "|m_i| * ||w_i||",
     "weight_share": "weight / sum of all d_ff weights of the layer",
     "final_token_logit": "m_i * score of the final prediction under the convention: its direct push on that logit",
-    "update_tokens": "top tokens of sign(m_i) * projection(v_i): what this sub-update actually promotes",
-    "value_tokens": "top tokens of projection(v_i): what the value promotes when m_i > 0",
+    "update_tokens": "top tokens of sign(m_i) * projection(w_i): what this sub-update actually promotes",
+    "value_tokens": "top tokens of projection(w_i): what the value promotes when m_i > 0",
 }
 
 LAYER_COLUMNS: dict[str, str] = {
     "layer": "layer index",
-    "top_before": "logit-lens top token of the residual before the FFN (hook_resid_mid)",
+    "top_before": "logit-lens top token of the residual the FFN reads (hook_resid_mid; hook_resid_pre in a "
+                  "parallel block)",
     "top_before_id": "its token id",
     "top_before_prob": "its probability",
-    "top_after": "logit-lens top token after the FFN (hook_resid_post)",
+    "top_after": "logit-lens top token of that residual plus what the FFN writes (hook_resid_post in a serial "
+                 "block)",
     "top_after_id": "its token id",
     "top_after_prob": "its probability",
     "changed": "the FFN changed the top prediction",
@@ -59,7 +70,7 @@ LAYER_COLUMNS: dict[str, str] = {
     "final_prob_before": "its probability before the FFN",
     "final_rank_after": "rank of the final prediction after the FFN",
     "final_prob_after": "its probability after the FFN",
-    "ffn_norm": "||FFN output|| at the position",
+    "ffn_norm": "||what the FFN writes into the residual|| at the position",
 }
 
 
@@ -139,10 +150,8 @@ def _resolve_position(position: int, n_tokens: int) -> int:
 
 
 def _lens(model: Model, resid: Tensor) -> Tensor:
-    """Logit lens: resid [layer, d_model] -> logits [layer, vocab] (full final norm, W_U, b_U)."""
-    logits = model.final_norm().apply(resid) @ model.unembedding().float()
-    bias = model.unembedding_bias()
-    return logits if bias is None else logits + bias.float()
+    """Logit lens: resid [layer, d_model] -> logits [layer, vocab] (``Model.logits``)."""
+    return model.logits(resid)
 
 
 def project(model: Model, vectors: Tensor, *, convention: str = DEFAULT_CONVENTION) -> Tensor:
@@ -155,15 +164,12 @@ def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Ten
     import torch
 
     hook_dict = model.bridge.hook_dict
-    names = []
-    for layer in range(model.n_layers):
-        names += [model.hook_name(layer, site) for site in ("post", "out", "resid_post")]
-        if model.hook_name(layer, "resid_mid") in hook_dict:
-            names.append(model.hook_name(layer, "resid_mid"))
+    sites = ("post", "out", "resid_pre") if model.parallel_block else ("post", "resid_mid", "resid_post")
+    names = [model.hook_name(layer, site) for layer in range(model.n_layers) for site in sites]
     missing = [n for n in names if n not in hook_dict]
     if missing:
-        raise KvmemError(f"this model's bridge has no hook {missing[0]}; trace needs hook_post, hook_out and "
-                         f"hook_resid_post in every layer")
+        raise KvmemError(f"this model's bridge has no hook {missing[0]}; trace needs {', '.join(sites)} in every "
+                         f"layer")
     tokens = torch.tensor([ids], device=model.device)  # [batch=1, pos]
     at = (torch.tensor([0]), torch.tensor([position]))
     captured = capture(model, tokens, names, positions=at, stop_early=False, logits_at=at)
@@ -176,13 +182,13 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
     """Which memories build the prediction at ``position``, layer by layer.
 
     ``prompt``: text (encoded without special tokens) or token ids. ``position``: index into the
-    prompt's tokens, negative from the end. ``top``: sub-updates kept per layer, by |m_i|·‖v_i‖
-    (``None`` keeps all d_ff, whose sum plus b2 is the FFN output). ``convention``: how values
+    prompt's tokens, negative from the end. ``top``: sub-updates kept per layer, by |m_i|·‖w_i‖
+    (``None`` keeps all d_ff). ``convention``: how values
     are projected (:data:`kvmem.conventions.CONVENTIONS`). ``n_tokens``: tokens listed per value (0 skips the
     vocabulary projection, which is the slow part when ``top=None``).
 
-    The residual before the FFN is ``blocks.L.hook_resid_mid`` (or hook_resid_post minus the FFN
-    output where a bridge lacks it); the logit lens applies the full final norm, W_U and b_U.
+    Sub-updates are m_i w_i with w_i the written value (``Model.written_values``); the residual
+    before the FFN is the one it reads (see the module docstring; ``attrs["residual_before"]``).
 
     >>> t = trace(model, "The capital of France is", top=5)  # doctest: +SKIP
     >>> t.layers[["layer", "top_before", "top_after", "changed"]]  # doctest: +SKIP
@@ -209,23 +215,26 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
             strings[i] = model.token_str(i)
         return strings[i]
 
-    unembedding = model.unembedding().float()  # [d_model, vocab]
+    unembedding = model.unembedding().float().cpu()  # [d_model, vocab]; captured tensors are on the CPU
     rows, before, after, ffn_norms = [], [], [], []
     with torch.no_grad():
         for layer in range(model.n_layers):
             m = captured[model.hook_name(layer, "post")]  # [d_ff]
-            out = captured[model.hook_name(layer, "out")]  # [d_model]
-            post = captured[model.hook_name(layer, "resid_post")]  # [d_model]
-            mid = captured.get(model.hook_name(layer, "resid_mid"), post - out)  # [d_model]
+            if model.parallel_block:  # attention and FFN read the block input; no post-FFN norm or multiplier
+                mid = captured[model.hook_name(layer, "resid_pre")]  # [d_model]
+                post = mid + captured[model.hook_name(layer, "out")]  # [d_model]
+            else:
+                mid = captured[model.hook_name(layer, "resid_mid")]  # [d_model]
+                post = captured[model.hook_name(layer, "resid_post")]  # [d_model]
             before.append(mid)
             after.append(post)
-            ffn_norms.append(float(out.norm()))
-            values = model.values(layer).float()  # [d_ff, d_model]
+            ffn_norms.append(float((post - mid).norm()))
+            values = model.written_values(layer).float().cpu()  # [d_ff, d_model]
             norms = values.norm(dim=1)  # [d_ff]
             weight = m.abs() * norms  # [d_ff]
             order = torch.topk(weight, k).indices  # [k], heaviest first
             converted = convention_vectors(model, values, convention)  # [d_ff, d_model]
-            final_scores = converted @ model.unembedding()[:, final_token].float()  # [d_ff]
+            final_scores = converted @ unembedding[:, final_token]  # [d_ff]
             total = float(weight.sum()) or 1.0
             tokens_of: dict[str, list[list[str]]] = {"update_tokens": [], "value_tokens": []}
             if n_tokens:
@@ -250,7 +259,10 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
         "model": model.name, "fingerprint": model.fingerprint, "prompt": prompt, "tokens": [token(i) for i in ids],
         "token_ids": ids, "position": pos, "position_token": token(ids[pos]), "final_token": token(final_token),
         "final_token_id": final_token, "convention": convention, "convention_formula": formula,
-        "logit_lens": "full final norm, then W_U and b_U", "top": top, "prepend_bos": prepend_bos,
+        "logit_lens": "full final norm, then W_U and b_U (maps to the logits folded in), then any soft-cap",
+        "residual_before": ("hook_resid_pre (parallel block: attention and FFN read the same residual)"
+                            if model.parallel_block else "hook_resid_mid"),
+        "values": "written values (Model.written_values)", "top": top, "prepend_bos": prepend_bos,
         "dtype": str(model.dtype).removeprefix("torch."), "kvmem_version": kvmem.__version__,
     }
     sub_updates = pd.DataFrame(rows)

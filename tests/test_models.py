@@ -12,6 +12,7 @@ import torch
 
 import kvmem
 from kvmem.architectures import ARCHITECTURES, hook_name
+from kvmem.capture import capture
 
 
 def _capture(model, ids, sites, layer):
@@ -118,7 +119,8 @@ def test_token_strings(gpt2_model):
 
 def test_architecture_table_is_complete():
     for model_type, spec in ARCHITECTURES.items():
-        assert spec.layers and spec.mlp and spec.key and spec.value and spec.final_norm and spec.unembedding
+        assert spec.layers and spec.key and spec.value and spec.final_norm and spec.unembedding
+        assert isinstance(spec.mlp, str), model_type  # "" where the FFN linears sit in the block (OPT)
         assert spec.norm_kind in ("layernorm", "rmsnorm"), model_type
     assert ARCHITECTURES["gemma"].norm_gain_offset == 1.0 and ARCHITECTURES["llama"].gate == "gate_proj"
 
@@ -192,3 +194,125 @@ def test_final_norm_apply_matches_the_model(gpt2_model, llama_model):
                                    atol=1e-5, rtol=1e-5)
         norm = llama_model._module(llama_model.spec.final_norm)
         torch.testing.assert_close(llama_model.final_norm().apply(x), norm(x), atol=1e-5, rtol=1e-5)
+
+
+# ---- the device rule ----
+
+def _fake_cuda(monkeypatch, available: bool, count: int = 0):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_resolve_device_without_cuda(monkeypatch):
+    from kvmem.devices import resolve_device
+
+    _fake_cuda(monkeypatch, False)
+    assert resolve_device(None) == "cpu" and resolve_device("cpu") == "cpu" and resolve_device(" CPU ") == "cpu"
+    for asked in ("cuda", "cuda:0"):
+        with pytest.raises(kvmem.KvmemError, match=rf"device '{asked}' asked for CUDA, but this machine has no CUDA "
+                                                   r"device; available: cpu; pass --device cpu"):
+            resolve_device(asked)
+    with pytest.raises(kvmem.KvmemError, match=r"unknown device 'tpu'; choose cpu, cuda or cuda:N \(this machine"):
+        resolve_device("tpu")
+    with pytest.raises(kvmem.KvmemError, match="unknown device 'cuda:x'"):
+        resolve_device("cuda:x")
+
+
+def test_resolve_device_with_cuda_and_the_torchrun_rank_rule(monkeypatch):
+    """nccl refuses two ranks on one GPU: under torchrun, cuda / None mean cuda:LOCAL_RANK."""
+    from kvmem.devices import resolve_device
+
+    _fake_cuda(monkeypatch, True, count=4)
+    for name in ("WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert resolve_device(None) == "cuda:0" and resolve_device("cuda") == "cuda:0"
+    assert resolve_device("cuda:3") == "cuda:3" and resolve_device("cpu") == "cpu"
+    with pytest.raises(kvmem.KvmemError, match=r"device 'cuda:4' does not exist: available: cpu, cuda, "
+                                               r"cuda:0\.\.cuda:3 \(4 GPUs\)"):
+        resolve_device("cuda:4")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ranks = []
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        ranks.append((resolve_device(None), resolve_device("cuda"), resolve_device("cuda:1"), resolve_device("cpu")))
+    assert ranks == [(f"cuda:{r}", f"cuda:{r}", "cuda:1", "cpu") for r in range(4)]
+    assert len({r[0] for r in ranks}) == 4  # every rank its own GPU
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(kvmem.KvmemError, match=r"torchrun LOCAL_RANK=5 needs GPU cuda:5, but available: .*"
+                                               r"start at most 4 rank\(s\) per machine"):
+        resolve_device("cuda")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single process keeps cuda:0 whatever LOCAL_RANK says
+    assert resolve_device("cuda") == "cuda:0"
+
+
+def test_load_model_refuses_cuda_without_it_before_reading_weights(monkeypatch, gpt2_dir):
+    _fake_cuda(monkeypatch, False)
+    with pytest.raises(kvmem.KvmemError, match="asked for CUDA, but this machine has no CUDA device"):
+        kvmem.load_model(gpt2_dir, device="cuda")
+
+
+def test_load_model_moves_weights_before_the_bridge(monkeypatch, gpt2_dir):
+    """The bridge is built around a model already on the target device: boot_transformers sees it there."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    real = TransformerBridge.boot_transformers
+    seen = {}
+
+    def spy(*args, hf_model=None, device=None, **kwargs):
+        seen["params"] = {str(p.device) for p in hf_model.parameters()}
+        seen["device"] = device
+        return real(*args, hf_model=hf_model, device=device, **kwargs)
+
+    monkeypatch.setattr(TransformerBridge, "boot_transformers", staticmethod(spy))
+    moved = []
+    real_to = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        if "params" not in seen:
+            moved.append(kwargs.get("device", args[0] if args else None))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    model = kvmem.load_model(gpt2_dir, device="cpu")
+    assert moved and moved[0] == "cpu"  # moved to the resolved device before boot_transformers ran
+    assert seen == {"params": {"cpu"}, "device": "cpu"} and model.device == "cpu"
+    assert {str(t.device) for t in model.bridge.state_dict().values()} == {"cpu"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_dtypes_load_and_run_on_cpu(which, dtype, gpt2_dir, llama_dir):
+    """In each dtype, hook_post is the input of the HF down projection, and a plain HF forward agrees."""
+    model = kvmem.load_model({"gpt2": gpt2_dir, "llama": llama_dir}[which], device="cpu", dtype=dtype)
+    assert model.dtype == getattr(torch, dtype) and model.device == "cpu"
+    assert {p.dtype for p in model.hf_model.parameters()} == {getattr(torch, dtype)}
+    layer = 1
+    down = model._module(f"{model.spec.layers}.{layer}.{model.spec.mlp}.{model.spec.value}")
+    seen = []
+    handle = down.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    ids = torch.tensor([model.encode("Half precision must read the same coefficients.")])
+    try:
+        name = model.hook_name(layer, "post")
+        got = capture(model, ids, [name])[name]  # [1, pos, d_ff] float32
+        with torch.no_grad():
+            model.hf_model(input_ids=ids)  # a plain HF forward
+    finally:
+        handle.remove()
+    assert seen[0].dtype == getattr(torch, dtype) and got.shape == (1, ids.shape[1], model.d_ff)
+    assert torch.equal(got, seen[0].float())  # the very tensor the down projection received
+    tolerance = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 5e-3}[dtype]
+    torch.testing.assert_close(got, seen[1].float(), atol=tolerance, rtol=tolerance)
+    assert torch.isfinite(got).all()
+
+
+def test_every_cli_device_option_has_help():
+    from kvmem.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    with_device = {name: next((a for a in sub._actions if "--device" in a.option_strings), None)
+                   for name, sub in commands.items()}
+    with_device = {name: action for name, action in with_device.items() if action is not None}
+    assert {"scan", "export", "experiment", "trace"} <= set(with_device)
+    for name, action in with_device.items():
+        assert action.help and "cpu, cuda or cuda:N" in action.help and "LOCAL_RANK" in action.help, name

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 from kvmem.cli.options import add_layers_option, parse_layers
+from kvmem.devices import device_help
 from kvmem.errors import KvmemError
 from kvmem.experiments.registry import EXPERIMENTS
 
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
     parser.add_argument("--model", default=None,
                         help="model to use instead of the atlas's (name, HF directory or hub id); fingerprint checked")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None, help=device_help())
     parser.add_argument("--corpus", default=None, help="the scanned corpus, when the manifest's cannot be re-opened")
     parser.add_argument("--convention", default=None,
                         help="value projection convention(s), comma-separated: raw (Geva et al.'s), final_norm "

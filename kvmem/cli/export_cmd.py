@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from kvmem.cli.options import add_layers_option, parse_layers
+from kvmem.devices import device_help
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--no-quantiles", action="store_true",
                         help="write random_sample_by_quantile and quantile_boundaries as null (no model needed)")
     parser.add_argument("--per-band", type=int, default=5, help="samples per quantile band (default 5)")
-    parser.add_argument("--device", default=None, help="device for --model (default: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None, help="for --model: " + device_help())
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

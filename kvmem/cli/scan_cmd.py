@@ -6,6 +6,7 @@ import argparse
 
 from kvmem.cli.options import add_layers_option, parse_layers
 from kvmem.conventions import CONVENTIONS
+from kvmem.devices import device_help
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--no-length-sort", action="store_true",
                         help="read each block's documents in corpus order, not shortest first (more padding)")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between checkpoints")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None, help=device_help())
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -10,6 +10,7 @@ import argparse
 import re
 
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
+from kvmem.devices import device_help
 from kvmem.errors import KvmemError
 
 _SET = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*=\s*([^\s]+)\s*$")
@@ -32,7 +33,7 @@ def parse_set(text: str) -> tuple[tuple[int, int], float]:
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--model", required=True,
                         help="built-in name (smollm2-135m, gpt2-random), local HF directory or hub id")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", default="cpu", help=device_help("cpu"))
     parser.add_argument("--prepend-bos", action="store_true", help="put the tokenizer's BOS token before the prompt")
     if command == "trace":
         parser.add_argument("--position", type=int, default=-1, help="token position to trace (default -1, the last)")
