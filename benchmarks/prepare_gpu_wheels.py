@@ -12,9 +12,9 @@ most 64 MiB). On the GPU machine, from a copy of the repository:
 
 ``--check`` then tests the list here, without a GPU: (1) pip installs the wheels exactly as above,
 but for Python 3.12 (``--python-version 3.12 --only-binary=:all:``), into a scratch folder; (2) the
-``--device cpu`` dry run of the check runs in a Python that sees only the GPU machine's packages,
-what those require, and :data:`CARRIED` (every other installed distribution is hidden), so an
-import-time dependency missing from the list fails it.
+``--device cpu`` dry run of the check runs in a scratch venv that sees only the GPU machine's
+packages, what those require, and :data:`CARRIED` (links to the copies installed here; every
+other installed distribution is absent), so an import-time dependency missing from the list fails it.
 
     python benchmarks/prepare_gpu_wheels.py [--check]
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
-import json
 import os
 import re
 import shutil
@@ -52,6 +51,7 @@ CARRIED = {
     "jaxtyping": "imported by transformer_lens",
     "wadler-lindig": "required by jaxtyping",
     "sentencepiece": "imported by transformer_lens",
+    "accelerate": "imported by transformer_lens.model_bridge (which kvmem.models imports)",
 }
 
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
@@ -117,18 +117,21 @@ def machine_closure() -> set[str]:
     return seen
 
 
-HIDER = '''
-import importlib.abc, json, os, sys
-HIDDEN = set(json.loads(os.environ["KVMEM_HIDDEN_MODULES"]))
-
-class Hide(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in HIDDEN:
-            raise ModuleNotFoundError(f"No module named {name!r} (hidden: the GPU machine lacks it)", name=name)
-        return None
-
-sys.meta_path.insert(0, Hide())
-'''
+def machine_venv(where: Path, visible: set[str]) -> Path:
+    """A venv (no pip) whose site-packages holds links to the ``visible`` distributions installed
+    here and nothing else: the GPU machine's view of the packages. Returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    site = next((where / "lib").glob("python3*")) / "site-packages"
+    for distribution in metadata.distributions():
+        if normal(distribution.metadata["Name"]) not in visible:
+            continue
+        base = Path(distribution.locate_file(""))
+        tops = {Path(str(f)).parts[0] for f in distribution.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            source, link = base / top, site / top
+            if source.exists() and not link.exists() and not top.endswith(".pth"):
+                link.symlink_to(source)
+    return where / "bin" / "python"
 
 
 def check(target: Path) -> int:
@@ -138,24 +141,18 @@ def check(target: Path) -> int:
                     "--no-cache-dir", "--python-version", "3.12", "--only-binary=:all:", "--target",
                     str(scratch / "site"), *map(str, sorted(target.glob("*.whl")))], check=True)
     print(f"the {len(list(target.glob('*.whl')))} wheels install for Python 3.12 (pip --target)")
-    visible = machine_closure() | {normal(name) for name in CARRIED} | {"kvmem"}
-    hidden = set()
-    for module, distributions in metadata.packages_distributions().items():
-        if not {normal(d) for d in distributions} & visible:
-            hidden.add(module)
-    (scratch / "hider").mkdir()
-    (scratch / "hider" / "sitecustomize.py").write_text(HIDER)
-    env = {**os.environ, "KVMEM_HIDDEN_MODULES": json.dumps(sorted(hidden)),
-           "PYTHONPATH": os.pathsep.join([str(scratch / "hider"), str(ROOT)])}
-    if "gguf" in hidden:  # an installed module the GPU machine lacks: the hiding must refuse it
-        probe = subprocess.run([sys.executable, "-c", "import gguf"], env=env, capture_output=True, text=True)
-        if probe.returncode == 0 or "hidden" not in probe.stderr:
-            print("prepare_gpu_wheels: hiding modules does not work here", probe.stderr[-500:], file=sys.stderr)
-            return 1
-    print(f"dry run with {len(hidden)} installed modules hidden (visible: {', '.join(sorted(visible))})")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+    visible = machine_closure() | {normal(name) for name in CARRIED}
+    python = machine_venv(scratch / "venv", visible)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hidden = subprocess.run([str(python), "-c", "import gguf"], env=env, capture_output=True, text=True)
+    if _installed("gguf") and hidden.returncode == 0:
+        print("prepare_gpu_wheels: the machine's view still sees gguf; the check cannot hide packages here",
+              file=sys.stderr)
+        return 1
+    print(f"dry run seeing only: {', '.join(sorted(visible))}", flush=True)
+    done = subprocess.run([str(python), str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
                            "--out", str(scratch / "dry-run")], env=env, capture_output=True, text=True)
-    print(done.stdout[-3000:])
+    print(done.stdout[-4000:])
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
     shutil.rmtree(scratch, ignore_errors=True)
