@@ -307,27 +307,6 @@ def test_checkpoint_with_pickle_payload_is_refused(gpt2_model, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_torchrun_two_processes_equal_one(gpt2_dir, tmp_path):
-    """torchrun --nproc-per-node 2 (gloo) writes the atlas one process writes, byte for byte."""
-    import os
-    import subprocess
-    import sys
-
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 2))
-    args = ["-m", "kvmem", "scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--top-k", str(K),
-            "--window", str(WINDOW), "--batch-size", "3", "--per-document", "--top-n", "5", "--block-documents", "2",
-            "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same per-batch arithmetic in every process
-    subprocess.run([sys.executable, *args, "--out", str(tmp_path / "one")], env=env, check=True, timeout=600)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          *args, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    one, two = kvmem.open(tmp_path / "one"), kvmem.open(tmp_path / "two")
-    assert_same_atlas(one, two)
-    assert two.manifest.timing["world_size"] == 2 and one.manifest.timing["world_size"] == 1
-
-
 def test_max_tokens_and_layers(gpt2_model, tmp_path):
     atlas = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "a", max_tokens=100, layers=[1], top_k=2, window=32,
                        top_n=2, progress=False)

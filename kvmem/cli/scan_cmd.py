@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between checkpoints")
     parser.add_argument("--device", default=None, help=device_help())
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                        help="under torchrun: how long a rank waits for the others (default 7200, or "
+                             "$KVMEM_DIST_TIMEOUT); ranks wait for the slowest one and for rank 0's atlas write")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -68,12 +71,16 @@ def run(args: argparse.Namespace) -> int:
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,
         sort_by_length=not args.no_length_sort)
+    from kvmem.scanning import distributed
     from kvmem.scanning.config import ScanConfig
 
     ScanConfig(**settings)  # validate before the model loads
+    distributed.timeout_seconds(args.dist_timeout)
     model = kvmem.load_model(args.model, device=args.device, dtype=args.dtype)
+    distributed.start(model.device, timeout_s=args.dist_timeout)  # under torchrun only
     atlas = kvmem.scan(model, args.corpus, out=args.out, overwrite=args.overwrite, resume=args.resume,
                        progress=not args.quiet, unit=args.unit, text_field=args.text_field, **settings)
+    distributed.stop()  # a rank that fails skips this: torchrun then stops the others
     if atlas is None:  # a torchrun rank other than 0: rank 0 wrote the atlas
         return 0
     print(atlas)
