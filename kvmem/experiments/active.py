@@ -119,7 +119,7 @@ def active_memories(model: Model, corpus: Any = None, *, positions: int = 500, t
     sampled, corpus, settings = sample_for(model, corpus, atlas, positions=positions, seed=seed, window=window,
                                            prepend_bos=prepend_bos, max_tokens=max_tokens, unit=unit)
     hooks = {layer: model.hook_name(layer, "post") for layer in chosen}
-    norms = {layer: model.values(layer).float().norm(dim=1) for layer in chosen}  # [d_ff]
+    norms = {layer: model.written_values(layer).norm(dim=1) for layer in chosen}  # [d_ff]
     parts: dict[int, list[dict[str, np.ndarray]]] = {layer: [] for layer in chosen}
 
     def on_batch(index: np.ndarray, captured: dict[str, torch.Tensor]) -> None:

@@ -253,7 +253,7 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
 
         from kvmem.tracing import project
 
-        values = model.values(layer)  # [d_ff, d_model]
+        values = model.written_values(layer)  # [d_ff, d_model] what each neuron writes into the residual
         tops, bottoms = [], []
         with torch.inference_mode():
             for start in range(0, values.shape[0], block):

@@ -135,17 +135,12 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     sampled, corpus, settings = sample_for(model, corpus, atlas, positions=positions, seed=seed, window=window,
                                            prepend_bos=prepend_bos, max_tokens=max_tokens, unit=unit)
 
-    norm = model.final_norm()
-    unembedding = model.unembedding().float()  # [d_model, vocab]
-    bias = model.unembedding_bias()
-
     def lens_top(x: Tensor) -> Tensor:  # x [n, d_model] -> [n] top token of the real logit computation
-        logits = norm.apply(x) @ unembedding
-        return (logits if bias is None else logits + bias.float()).argmax(dim=1)
+        return model.logits(x).argmax(dim=1)
 
     tops = {layer: tuple(torch.from_numpy(np.asarray(t)) for t in value_top_tokens(model, layer, convention, atlas=atlas))
             for layer in chosen}
-    norms = {layer: model.values(layer).float().norm(dim=1) for layer in chosen}  # [d_ff]
+    norms = {layer: model.written_values(layer).norm(dim=1) for layer in chosen}  # [d_ff]
     memory_tops = {layer: torch.unique(torch.cat([tops[layer][0 if side == "positive" else 1] for side in chosen_sides]))
                    for layer in chosen}  # [memories] every memory's top token, as the released code compares
     keys = ("active", "matches_active", "matches_top", "matches_heaviest", "before_final", "after_final",

@@ -173,7 +173,7 @@ def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, conventi
             other = np.array([partner[n] for n in neuron.tolist()], np.int64)
             n = len(neuron)
             for name in conventions:
-                vectors = convention_vectors(model, model.values(layer), name)  # [d_ff, d_model]
+                vectors = convention_vectors(model, model.written_values(layer), name)  # [d_ff, d_model]
                 ranks = pair_ranks(vectors, unembedding, np.concatenate([neuron, other, neuron]),
                                    np.concatenate([tokens, tokens, own_tokens]), signs=np.full(3 * n, sign), block=block)
                 parts.append(pd.DataFrame({
