@@ -120,7 +120,7 @@ def _to_arrow(frame: pd.DataFrame, metadata: dict):
         elif kind == "bool":
             arrays.append(pa.array(column.to_numpy(bool), type=pa.bool_()))
         else:
-            arrays.append(pa.array(column.tolist(), type=pa.string()))
+            arrays.append(pa.array([v if isinstance(v, str) else None for v in column.tolist()], type=pa.string()))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
