@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--window-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument("--no-ablations", action="store_true",
+                        help="figures and shares only; ablations already in --out's JSON are kept")
     args = parser.parse_args(argv)
     atlas = kvmem.open(args.atlas)
     frame = atlas.taxonomy.copy()
@@ -160,6 +161,11 @@ def main(argv=None) -> int:
             orient="records")
     layers = ([int(x) for x in args.layers.split(",")] if args.layers
               else sorted(frame.layer.unique())[-2:])
+    previous = out / "taxonomy_findings.json"
+    if args.no_ablations and previous.exists():  # redraw the figures, keep the measured ablations
+        kept = json.loads(previous.read_text()).get("ablations")
+        if kept is not None:
+            results["ablations"] = kept
     if not args.no_ablations:
         results["ablations"] = ablations(atlas, frame, layers=layers, candidates=args.candidates, random=args.random,
                                          n_windows=args.windows, length=args.window_tokens, seed=args.seed)

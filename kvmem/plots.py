@@ -245,6 +245,7 @@ def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str
     _require(frame, ["layer"], "plot_taxonomy")
     summary = layer_summary(frame, column, statistic=statistic)
     ax = _axes(ax, figsize=(5.0, 2.8))
+    ax.autoscale(enable=True, axis="y")  # an earlier call on this ax fixed the limits
     x = summary.layer.to_numpy()
     y = summary.value.to_numpy(float)
     ax.fill_between(x, summary.ci_low.to_numpy(float), summary.ci_high.to_numpy(float), color=color, alpha=0.25,
@@ -254,7 +255,9 @@ def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str
         ax.axhline(float(paper), color=_INK, linestyle="--", linewidth=0.8, label="paper")
     flag = "count" in summary.columns
     ax.set_xlabel("layer")
-    ax.set_ylabel(f"share {column}" if flag else f"{statistic} {column}")
+    ax.set_ylabel("share of neurons" if flag else f"{statistic} {column}")
+    ax.relim()
+    ax.autoscale_view()
     if flag:
         ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, frameon=False)
