@@ -191,6 +191,15 @@ class Atlas:
         """One row per (layer, neuron): statistics and vector norms (see kvmem.schema.COLUMNS)."""
         return self._table("neurons")
 
+    @cached_property
+    def taxonomy(self) -> pd.DataFrame:
+        """One row per (layer, neuron): the neuron taxonomy (kvmem.taxonomy.table.COLUMNS), if written."""
+        from kvmem.taxonomy.table import FILE, read_taxonomy
+
+        if not (self.path / FILE).exists():
+            raise KvmemError(f"{self.path} has no taxonomy table; run: kvmem taxonomy --atlas {self.path}")
+        return read_taxonomy(self.path / FILE)
+
     def triggers(self, layer: int, neuron: int, *, kind: str | None = None) -> pd.DataFrame:
         """Kept triggers of one neuron, ranked; kind in top | bottom | top_doc | bottom_doc (None: all)."""
         if kind is not None and kind not in TRIGGER_KINDS:

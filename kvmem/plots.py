@@ -23,6 +23,7 @@ __all__ = [
     "plot_histogram",
     "plot_layer_neuron_overview",
     "plot_layer_summary",
+    "plot_taxonomy",
     "plot_trigger_activations",
     "plot_value_projection",
 ]
@@ -226,6 +227,40 @@ def plot_layer_neuron_overview(neurons_frame, *, column: str = "max", ax=None):
     ax.set_xlabel("neuron")
     ax.set_ylabel("layer")
     ax.figure.colorbar(image, ax=ax, label=column, shrink=0.9)
+    _tidy(ax)
+    return ax
+
+
+def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str = "mean", paper=None,
+                  label: str | None = None, color: str = POSITIVE):
+    """A taxonomy column by layer: the share of neurons with a flag (or a numeric column's mean / median)
+    with its 95% bootstrap interval over the layer's neurons (:func:`kvmem.taxonomy.summary.layer_summary`).
+
+    ``frame``: ``atlas.taxonomy`` or :func:`kvmem.taxonomy.read_taxonomy`'s result. ``paper``: an optional
+    reference value drawn as a dashed line (a paper's number). Call again with the same ``ax`` to overlay
+    another column.
+    """
+    from kvmem.taxonomy.summary import layer_summary
+
+    _require(frame, ["layer"], "plot_taxonomy")
+    summary = layer_summary(frame, column, statistic=statistic)
+    ax = _axes(ax, figsize=(5.0, 2.8))
+    ax.autoscale(enable=True, axis="y")  # an earlier call on this ax fixed the limits
+    x = summary.layer.to_numpy()
+    y = summary.value.to_numpy(float)
+    ax.fill_between(x, summary.ci_low.to_numpy(float), summary.ci_high.to_numpy(float), color=color, alpha=0.25,
+                    linewidth=0)
+    ax.plot(x, y, marker="o", markersize=3, color=color, linewidth=1.2, label=label or column)
+    if paper is not None:
+        ax.axhline(float(paper), color=_INK, linestyle="--", linewidth=0.8, label="paper")
+    flag = "count" in summary.columns
+    ax.set_xlabel("layer")
+    ax.set_ylabel("share of neurons" if flag else f"{statistic} {column}")
+    ax.relim()
+    ax.autoscale_view()
+    if flag:
+        ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, frameon=False)
     _tidy(ax)
     return ax
 

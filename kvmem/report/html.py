@@ -102,6 +102,22 @@ def _stats(data: dict, figures: dict) -> str:
             + (_figure(figures["histogram"]) if "histogram" in figures else ""))
 
 
+def _cell(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return value if isinstance(value, str) else fmt(value)
+
+
+def _taxonomy(data: dict) -> str:
+    """The neuron's taxonomy row (kvmem taxonomy --atlas), or nothing when the atlas has none."""
+    row = data.get("taxonomy")
+    if not row:
+        return ""
+    cells = "".join(f'<tr><th>{esc(name)}</th><td class="num">{esc(_cell(value))}</td></tr>'
+                    for name, value in row.items())
+    return f'<h2>Taxonomy</h2><table class="meta">{cells}</table>'
+
+
 def _next(trigger: dict) -> str:
     return token_html(trigger["next_token"]) if trigger["next_token_id"] >= 0 else '<span class="none">end</span>'
 
@@ -215,7 +231,7 @@ def _quantiles(data: dict) -> str:
 def render_neuron(data: dict, figures: list) -> str:
     """The complete page for one ``kvmem.neuron/1`` dict and its :class:`~kvmem.report.figures.Figure` list."""
     by_name = {figure.name: figure for figure in figures}
-    body = (_header(data) + _stats(data, by_name) + _triggers(data, by_name) + _quantiles(data) + _values(data, by_name)
+    body = (_header(data) + _stats(data, by_name) + _taxonomy(data) + _triggers(data, by_name) + _quantiles(data) + _values(data, by_name)
             + _keys(data)
             + _agreement(data))
     footer = (f'Written by kvmem {esc(_version())} from the atlas <span class="mono">{esc(data["provenance"]["atlas"])}'

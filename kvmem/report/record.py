@@ -29,6 +29,8 @@ Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
                   Atlas.quantile_samples; sample = {rank, activation, doc_id, pos, token, context, span,
                   context_tokens, context_trigger, context_activations: [] (not stored for these samples)};
                   [] when the atlas holds no samples
+    taxonomy      the neuron's row of the atlas's taxonomy table (kvmem.taxonomy.table.COLUMNS), column -> value,
+                  present only when the atlas has one (``kvmem taxonomy --atlas A`` writes it)
 """
 
 from __future__ import annotations
@@ -98,7 +100,23 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
     }
     data["agreement"] = agreement(data)
     data["quantiles"] = _quantiles(atlas, layer, neuron)
+    taxonomy = _taxonomy(atlas, layer, neuron)
+    if taxonomy is not None:
+        data["taxonomy"] = taxonomy
     return data
+
+
+def _taxonomy(atlas, layer: int, neuron: int) -> dict | None:
+    from kvmem.taxonomy.table import FILE
+
+    if not (atlas.path / FILE).exists():
+        return None
+    frame = atlas.taxonomy
+    row = frame[(frame.layer.to_numpy() == layer) & (frame.neuron.to_numpy() == neuron)]
+    if not len(row):
+        return None
+    return {name: (clean(value) if isinstance(value, str) else _number(value)) for name, value in row.iloc[0].items()
+            if name not in ("layer", "neuron")}
 
 
 def _quantiles(atlas, layer: int, neuron: int) -> list[dict]:
