@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -66,7 +67,7 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
 
     ``manifest``: a :class:`~kvmem.manifest.Manifest`, or a function returning one (called last, so
     it can time the writing);
-    ``copy``: table name -> an already written parquet file to copy in; ``state``: a scan state to
+    ``copy``: table name -> an already written parquet file to link (or copy) in; ``state``: a scan state to
     keep beside the tables (shard atlases, for ``kvmem merge``).
     """
     target = Path(target)
@@ -85,12 +86,23 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
                 if bar is not None:
                     bar.update()
         for name, source in (copy or {}).items():
-            shutil.copyfile(source, tmp / f"{name}.parquet")
+            _link_or_copy(Path(source), tmp / f"{name}.parquet")
         if state is not None:
             save_state(tmp / STATE_DIR, state, {"shard": True})
         if bar is not None:
             bar.update()
         (manifest() if callable(manifest) else manifest).write(tmp / "manifest.json")
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link to a cached file (no bytes rewritten), else a copy (another file system, no links).
+
+    The atlas stays self-contained: deleting it, or the cache, leaves the other's file intact, and
+    neither is ever written in place (the cache and atlases are replaced by renaming directories)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]) -> pa.Table:
