@@ -422,12 +422,15 @@ class Atlas:
         codes, contexts = self._contexts("triggers")
         matches = np.fromiter((regex.search(text) is not None for text in contexts.column("context").to_pylist()),
                               bool, len(codes))
-        rows = self._table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc", "pos"])
-        keep = rows.kind.to_numpy() == kind
+        key = f"_search:{kind}"
+        if key not in self._cache:  # the rows of this kind and the index of their context, once
+            rows = self._table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc", "pos"])
+            rows = rows[rows.kind.to_numpy() == kind].reset_index(drop=True)
+            self._cache[key] = (rows, np.minimum(np.searchsorted(codes, _codes(rows)), max(len(codes) - 1, 0)))
+        rows, at = self._cache[key]
+        keep = matches[at] if len(codes) else np.zeros(len(rows), bool)
         if layer is not None:
             keep &= rows.layer.to_numpy() == layer
-        at = np.searchsorted(codes, _codes(rows[["doc", "pos"]]))
-        keep &= matches[np.minimum(at, len(codes) - 1)] if len(codes) else False
         hits = pa.Table.from_pandas(rows[keep].head(limit), preserve_index=False)
         return self._with_text(hits, "triggers", columns).to_pandas()
 
