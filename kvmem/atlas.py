@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.manifest import Manifest
-from kvmem.schema import SAMPLE_KINDS, TABLES, TRIGGER_KINDS
+from kvmem.schema import CONTEXT_TEXT, SAMPLE_KINDS, SAMPLE_VIEW, TABLES, TRIGGER_KINDS, TRIGGER_VIEW
 
 __all__ = ["open_atlas", "Atlas", "NeuronRecord"]
 
@@ -145,7 +147,7 @@ class Atlas:
             groups = []
             meta = self._files[table].metadata
             names = self._files[table].schema_arrow.names
-            if "layer" not in names:  # sample_contexts: keyed by (doc, pos), read whole
+            if "layer" not in names:  # contexts: keyed by (doc, pos), read whole
                 return self._files[table]
             li, ni = names.index("layer"), names.index("neuron")
             for g in range(meta.num_row_groups):
@@ -159,24 +161,76 @@ class Atlas:
         return self._files[table]
 
     def _read(self, table: str, layer: int, neuron: int | None = None) -> pd.DataFrame:
+        return self._read_arrow(table, layer, neuron).to_pandas()
+
+    def _read_arrow(self, table: str, layer: int, neuron: int | None = None) -> pa.Table:
+        """Rows of one layer (and neuron), from the row groups that hold them."""
         self.check(layer, neuron)
         file = self._file(table)
         wanted = [g for g, (lay, lo, hi) in enumerate(self._groups[table])
                   if lay == layer and (neuron is None or lo <= neuron <= hi)]
         if not wanted:
-            return file.schema_arrow.empty_table().to_pandas()
-        frame = file.read_row_groups(wanted).to_pandas()
-        if neuron is not None:
-            frame = frame[frame.neuron.to_numpy() == neuron]
-        return frame.reset_index(drop=True)
+            return file.schema_arrow.empty_table()
+        rows = file.read_row_groups(wanted)
+        return rows if neuron is None else rows.filter(pc.equal(rows.column("neuron"), neuron))
 
-    def _table(self, table: str, columns: list[str] | None = None) -> pd.DataFrame:
-        key = f"{table}:{columns}"
+    # ---- texts: one row per position in contexts, joined to triggers and samples by (doc, pos) ----
+    def _legacy_texts(self, table: str) -> bool:
+        """Format 1-2: the text is in every trigger row, and the samples' in ``sample_contexts``."""
+        return table == "triggers" and "context" in self._file("triggers").schema_arrow.names
+
+    def _contexts(self, table: str) -> tuple[np.ndarray, pa.Table]:
+        """(sorted codes doc << 32 | pos, the contexts table in that order), read once."""
+        name = "sample_contexts" if table == "samples" and not (self.path / "contexts.parquet").exists() else "contexts"
+        key = f"_contexts:{name}"
         if key not in self._cache:
             try:
-                self._cache[key] = self._file(table).read(columns=columns).to_pandas()
+                contexts = self._file(name).read()
+            except OSError as error:
+                raise KvmemError(f"atlas table {self.path / name}.parquet is corrupt ({error}); scan again") from None
+            codes = _codes(contexts)
+            order = np.argsort(codes, kind="stable")
+            self._cache[key] = (codes[order], contexts.take(pa.array(order)))
+        return self._cache[key]
+
+    def _with_text(self, rows: pa.Table, table: str, columns=None) -> pa.Table:
+        """``rows`` (with doc, pos) plus their context's columns (all of CONTEXT_TEXT, or those in
+        ``columns``), in the order of the table's view."""
+        view = TRIGGER_VIEW if table == "triggers" else SAMPLE_VIEW
+        columns = list(view if columns is None else columns)
+        wanted = [name for name in CONTEXT_TEXT if name in columns and name not in rows.column_names]
+        if wanted:
+            codes, contexts = self._contexts(table)
+            mine = _codes(rows)
+            at = np.searchsorted(codes, mine)
+            found = at < len(codes)
+            found[found] = codes[at[found]] == mine[found]
+            if not found.all():
+                raise KvmemError(f"{self.path}: {int((~found).sum())} {table} row(s) point at positions missing from "
+                                 f"the contexts table; the atlas is damaged, scan again")
+            taken = contexts.select(wanted).take(pa.array(at))
+            for name in wanted:
+                rows = rows.append_column(contexts.schema.field(name), taken.column(name))
+        return rows.select([name for name in columns if name in rows.column_names])
+
+    def _table(self, table: str, columns: list[str] | None = None) -> pd.DataFrame:
+        """A whole table (triggers and samples with their context's columns) as a DataFrame, cached."""
+        key = f"{table}:{columns}"
+        if key not in self._cache:
+            stored = self._file(table).schema_arrow.names
+            joined = table in ("triggers", "samples") and not self._legacy_texts(table)
+            read = columns
+            if joined and columns is not None:
+                read = [name for name in columns if name in stored]
+                if any(name in CONTEXT_TEXT and name not in stored for name in columns):
+                    read = sorted(set(read) | {"doc", "pos"}, key=stored.index)
+            try:
+                rows = self._file(table).read(columns=read)
             except OSError as error:
                 raise KvmemError(f"atlas table {self.path / table}.parquet is corrupt ({error}); scan again") from None
+            if joined:
+                rows = self._with_text(rows, table, columns)
+            self._cache[key] = rows.to_pandas()
         return self._cache[key]
 
     def check(self, layer: int, neuron: int | None = None) -> None:
@@ -204,8 +258,10 @@ class Atlas:
         """Kept triggers of one neuron, ranked; kind in top | bottom | top_doc | bottom_doc (None: all)."""
         if kind is not None and kind not in TRIGGER_KINDS:
             raise KvmemError(f"unknown trigger kind {kind!r}; choose one of {', '.join(TRIGGER_KINDS)}")
-        frame = self._read("triggers", layer, neuron)
-        return frame if kind is None else frame[frame.kind == kind].reset_index(drop=True)
+        rows = self._read_arrow("triggers", layer, neuron)
+        if kind is not None:
+            rows = rows.filter(pc.equal(rows.column("kind"), kind))
+        return self._with_text(rows, "triggers").to_pandas()
 
     def values(self, layer: int, neuron: int, *, convention: str | None = None, kind: str | None = None) -> pd.DataFrame:
         """Tokens the value vector promotes / suppresses, under each stored convention."""
@@ -231,11 +287,10 @@ class Atlas:
         if not (self.path / "samples.parquet").exists():
             raise KvmemError(f"{self.path} holds no samples (scanned with random_samples=0 and bin_samples=0, "
                              f"or by an older kvmem); rescan to get them")
-        frame = self._read("samples", layer, neuron)
+        rows = self._read_arrow("samples", layer, neuron)
         if kind is not None:
-            frame = frame[frame.kind == kind]
-        contexts = self._table("sample_contexts")
-        return frame.merge(contexts, on=["doc", "pos"], how="left").reset_index(drop=True)
+            rows = rows.filter(pc.equal(rows.column("kind"), kind))
+        return self._with_text(rows, "samples").to_pandas()
 
     def quantile_samples(self, layer: int, neuron: int, *, bands: int = 5, per_band: int = 5,
                          levels=None) -> list[pd.DataFrame]:
@@ -324,6 +379,7 @@ class Atlas:
                 frame, token = frame[keep][["layer", "neuron", "rank", "score"]], frame.token_id.to_numpy()[keep]
             else:
                 frame = self._table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
+                frame = frame[["layer", "neuron", "kind", "activation", "next_token_id"]]
                 keep = frame.kind.to_numpy() == "top"
                 frame, token = frame[keep][["layer", "neuron", "activation"]], frame.next_token_id.to_numpy()[keep]
             order = np.argsort(token, kind="stable")
@@ -350,7 +406,9 @@ class Atlas:
 
     def _vocabulary(self) -> dict[str, int]:
         if "_vocab" not in self._cache:
-            frames = [self._table("values", ["token_id", "token"]), self._table("triggers", ["token_id", "token"])]
+            frames = [self._table("values", ["token_id", "token"]), self._table("triggers", ["token_id", "token"])
+                      if self._legacy_texts("triggers") else self._contexts("triggers")[1].select(["token_id", "token"])
+                      .to_pandas()]
             both = pd.concat(frames).drop_duplicates("token")
             self._cache["_vocab"] = dict(zip(both.token, both.token_id.astype(int)))
         return self._cache["_vocab"]
@@ -361,25 +419,50 @@ class Atlas:
             regex = re.compile(pattern)
         except re.error as error:
             raise KvmemError(f"bad regular expression {pattern!r}: {error}") from None
-        frame = self._table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc_id", "pos", "token",
-                                          "context"])
-        frame = frame[frame.kind == kind]
+        columns = ["layer", "neuron", "kind", "rank", "activation", "doc_id", "pos", "token", "context"]
         if layer is not None:
             self.check(layer)
-            frame = frame[frame.layer == layer]
-        hits = frame[frame.context.map(lambda text: regex.search(text) is not None)]
-        return hits.head(limit).reset_index(drop=True)
+        if self._legacy_texts("triggers"):
+            frame = self._table("triggers", columns)
+            frame = frame[(frame.kind == kind) & (True if layer is None else frame.layer == layer)]
+            hits = frame[frame.context.map(lambda text: regex.search(text) is not None)]
+            return hits.head(limit).reset_index(drop=True)
+        # the regular expression runs once per distinct context, not once per trigger row
+        codes, contexts = self._contexts("triggers")
+        matches = np.fromiter((regex.search(text) is not None for text in contexts.column("context").to_pylist()),
+                              bool, len(codes))
+        key = f"_search:{kind}"
+        if key not in self._cache:  # the rows of this kind and the index of their context, once
+            rows = self._table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc", "pos"])
+            rows = rows[rows.kind.to_numpy() == kind].reset_index(drop=True)
+            self._cache[key] = (rows, np.minimum(np.searchsorted(codes, _codes(rows)), max(len(codes) - 1, 0)))
+        rows, at = self._cache[key]
+        keep = matches[at] if len(codes) else np.zeros(len(rows), bool)
+        if layer is not None:
+            keep &= rows.layer.to_numpy() == layer
+        hits = pa.Table.from_pandas(rows[keep].head(limit), preserve_index=False)
+        return self._with_text(hits, "triggers", columns).to_pandas()
 
     def table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
         """A whole table as a DataFrame, optionally only some columns (large for big atlases)."""
         if name not in TABLES:
             raise KvmemError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
         if columns is not None:
-            unknown = sorted(set(columns) - set(self._file(name).schema_arrow.names))
+            names = set(self._file(name).schema_arrow.names)
+            if name in ("triggers", "samples"):
+                names |= set(TRIGGER_VIEW if name == "triggers" else SAMPLE_VIEW)
+            unknown = sorted(set(columns) - names)
             if unknown:
                 raise KvmemError(f"table {name!r} has no column(s) {unknown}; see kvmem.schema.COLUMNS")
             columns = list(columns)
         return self._table(name, columns)
+
+
+def _codes(rows) -> np.ndarray:
+    """Packed positions doc << 32 | pos of an Arrow table or DataFrame with doc and pos columns."""
+    doc, pos = (np.asarray(rows[name] if isinstance(rows, pd.DataFrame) else rows.column(name).to_numpy(), np.int64)
+                for name in ("doc", "pos"))
+    return (doc << 32) | pos
 
 
 def _ranges(values: list[int]) -> str:

@@ -4,10 +4,16 @@ An atlas is a directory:
 
     manifest.json      provenance and every setting (see ``kvmem.scanning.writer.build_manifest``)
     neurons.parquet    one row per (layer, neuron)
-    triggers.parquet   top / bottom coefficients with their text
+    triggers.parquet   top / bottom coefficients: (doc, pos) and the context coefficients
+    contexts.parquet   one row per distinct (doc, pos) that a trigger or sample holds: its text, once
     values.parquet     value vectors projected through the unembedding
     keys.parquet       key vectors projected through the input embedding
     histograms.parquet per-neuron coefficient histograms over fixed bins (edges in the manifest)
+    samples.parquet    random and per-bin samples: (doc, pos) and coefficients
+
+Texts are stored once per position: a trigger or sample row references its context by (doc, pos),
+and :mod:`kvmem.atlas` joins the two, so ``atlas.triggers(...)`` returns the columns of
+:data:`TRIGGER_VIEW` (the triggers table with its context's columns, in that order).
 
 Every table is sorted by (layer, neuron, ...) and written in row groups that never span a
 layer and hold at most ``ROW_GROUP_NEURONS`` neurons, so a selection reads one row group.
@@ -15,15 +21,18 @@ layer and hold at most ``ROW_GROUP_NEURONS`` neurons, so a selection reads one r
 
 from __future__ import annotations
 
-__all__ = ["FORMAT_VERSION", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS", "KEY_VECTORS",
-           "arrow_schema", "conform"]
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS",
+           "SAMPLE_KINDS", "KEY_VECTORS", "CONTEXT_KEY", "CONTEXT_TEXT", "TRIGGER_VIEW", "SAMPLE_VIEW", "arrow_schema",
+           "conform"]
 
 # 2: manifest records the batching plan (block_documents, batch_size, max_tokens) and timing per
 #    phase; a shard atlas keeps its mergeable state in state/. Tables are unchanged from 1.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: texts once per position: triggers and samples reference the ``contexts`` table by (doc, pos)
+#    (format 2 kept the text in every trigger row and a ``sample_contexts`` table for the samples).
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 ROW_GROUP_NEURONS = 64
-TABLES = ("neurons", "triggers", "values", "keys", "histograms", "samples", "sample_contexts")
+TABLES = ("neurons", "triggers", "contexts", "values", "keys", "histograms", "samples")
 SAMPLE_KINDS = ("random", "bin")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
@@ -52,19 +61,23 @@ COLUMNS: dict[str, dict[str, str]] = {
         "kind": "string: top | bottom | top_doc | bottom_doc",
         "rank": "int16, 0 = most extreme",
         "activation": "float32, the coefficient m_i at this position",
-        "doc": "int64, index of the document in the corpus stream",
-        "doc_id": "string, the document's stable id",
+        "doc": "int64, index of the document in the corpus stream (with pos: the row of contexts)",
         "pos": "int32, token position within the document's token sequence",
-        "token_id": "int32, the trigger token",
+        "context_activations": "list<float32>, m_i of this neuron at each context token (empty if not computed)",
+    },
+    "contexts": {
+        "doc": "int64, index of the document in the corpus stream",
+        "pos": "int32, token position within the document",
+        "doc_id": "string, the document's stable id",
+        "token_id": "int32, the token at this position",
         "token": "string, its text",
         "next_token_id": "int32, the following token in the document, -1 at the end",
         "next_token": "string, its text ('' at the end)",
         "context": "string, text of the context tokens (inside the window the model read)",
-        "span_start": "int32, character offset of the trigger token in context",
+        "span_start": "int32, character offset of the position's token in context",
         "span_end": "int32, end offset (exclusive)",
         "context_tokens": "list<string>, the context split into tokens (concatenated they give context)",
-        "context_trigger": "int16, index of the trigger token in context_tokens",
-        "context_activations": "list<float32>, m_i of this neuron at each context token (empty if not computed)",
+        "context_trigger": "int16, index of the position's token in context_tokens",
     },
     "values": {
         "layer": "int16",
@@ -97,26 +110,21 @@ COLUMNS: dict[str, dict[str, str]] = {
         "pos": "int32, token position within the document",
         "context_activations": "list<float32>, m_i at each context token (random samples; empty for bin samples)",
     },
-    "sample_contexts": {
-        "doc": "int64, index of the document in the corpus stream",
-        "pos": "int32, token position within the document",
-        "doc_id": "string, the document's stable id",
-        "token_id": "int32, the token at this position",
-        "token": "string, its text",
-        "next_token_id": "int32, the following token in the document, -1 at the end",
-        "next_token": "string, its text ('' at the end)",
-        "context": "string, text of the context tokens (inside the window the model read)",
-        "span_start": "int32, character offset of the position's token in context",
-        "span_end": "int32, end offset (exclusive)",
-        "context_tokens": "list<string>, the context split into tokens",
-        "context_trigger": "int16, index of the position's token in context_tokens",
-    },
     "histograms": {
         "layer": "int16",
         "neuron": "int32",
         "counts": "list<int64> of length HIST_BINS, counts per bin (edges in manifest['histogram']['edges'])",
     },
 }
+
+
+CONTEXT_KEY = ("doc", "pos")  # how triggers and samples reference a row of contexts
+CONTEXT_TEXT = tuple(name for name in COLUMNS["contexts"] if name not in CONTEXT_KEY)
+# the frames atlas.triggers / atlas.samples return: the table's columns with its context's, in this order
+TRIGGER_VIEW = ("layer", "neuron", "kind", "rank", "activation", "doc", "doc_id", "pos", "token_id", "token",
+                "next_token_id", "next_token", "context", "span_start", "span_end", "context_tokens",
+                "context_trigger", "context_activations")
+SAMPLE_VIEW = (*COLUMNS["samples"], *CONTEXT_TEXT)
 
 
 def _arrow_type(description: str):

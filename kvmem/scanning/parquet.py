@@ -27,7 +27,7 @@ def _dictionary_columns(schema: pa.Schema) -> list[str]:
 
 def write_parquet(path: Path, table: pa.Table) -> None:
     """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons (tables without
-    layer and neuron columns, such as sample_contexts, in row groups of 64k rows)."""
+    layer and neuron columns, such as contexts, in row groups of 64k rows)."""
     options = dict(compression="zstd", use_dictionary=_dictionary_columns(table.schema) or False)
     if "layer" not in table.column_names:
         pq.write_table(table, path, row_group_size=1 << 16, **options)

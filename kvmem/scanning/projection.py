@@ -2,9 +2,13 @@
 and cache the resulting tables per model: they depend on the weights alone.
 
 For GPT-2 small the values' score matrix would be 36,864 × 50,257 floats (7.4 GB); here at
-most ``block`` rows × vocab are alive at once. The tables are written once per (weights
-fingerprint, vocabulary, dtype, device type, layers, conventions, top_n) under
-``$KVMEM_CACHE/projections/`` and copied into every later atlas of that model.
+most ``block`` rows × vocab are alive at once. Vectors and bases are projected in float32
+whatever dtype the model runs in. The tables are written once under ``$KVMEM_CACHE/projections/``
+and linked into every later atlas, keyed by what is projected (:func:`projected_digest`: the
+float32 vectors of every (layer, convention / key vector) and both bases), the vocabulary, the
+layers, conventions, top_n, the weights fingerprint and the device type; not by the scan's
+dtype, so a model whose weights are the same in bfloat16 and float32 shares one cache entry,
+and a change in what a value means (a convention, a norm folded in) changes the key by itself.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from torch import Tensor
 from kvmem.conventions import value_vectors
 from kvmem.models import Model
 
-__all__ = ["Projection", "project_rows", "key_vectors", "projection_tables",
+__all__ = ["Projection", "project_rows", "key_vectors", "projected_vectors", "projected_digest", "projection_tables",
            "cached_projection_files"]
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: keyed by the projected float32 content, not the dtype
+_DIGEST_STRIDE = 16  # rows (of vectors) / columns (of bases) read into the content digest: 1 in 16
 
 
 @dataclass(frozen=True)
@@ -63,17 +68,62 @@ def key_vectors(model: Model, layer: int) -> dict[str, Tensor]:
     return vectors
 
 
-def projection_tables(model: Model, layers: list[int], config, *, bar=None) -> dict[str, pa.Table]:
+@dataclass(frozen=True)
+class Projected:
+    """What one atlas projects: (layer, label, vectors [d_ff, d_model] float32) for the values table
+    (label = convention, basis W_U [d_model, vocab]) and for the keys table (label = key | gate,
+    basis W_E^T [d_model, vocab]); float32 whatever dtype the model runs in."""
+
+    values: list[tuple[int, str, Tensor]]
+    keys: list[tuple[int, str, Tensor]]
+    unembedding: Tensor
+    embedding: Tensor
+
+
+def projected_vectors(model: Model, layers: list[int], config) -> Projected:
+    """The vectors and bases of an atlas's ``values`` and ``keys`` tables, in float32."""
+    values = [(layer, convention, value_vectors(model, layer, convention).float())
+              for layer in layers for convention in config.conventions]
+    keys = [(layer, vector, rows.float()) for layer in layers
+            for vector, rows in (key_vectors(model, layer).items() if config.key_projections else ())]
+    return Projected(values, keys, model.unembedding().float(), model.embedding().T.float())
+
+
+def projected_digest(projected: Projected) -> str:
+    """sha256 of the projected content: shape and the bytes of every 16th row (in memory order: of the
+    transpose for a transposed weight) of each vector matrix and basis (float32), in table order.
+
+    The weights fingerprint in the cache key covers the weight files; this digest covers how they
+    are read (dtype rounding, conventions, what a value is), changes that touch every row, at a
+    sixteenth of the cost of hashing everything (the key is computed on every scan)."""
+    digest = hashlib.sha256()
+
+    def add(label: str, matrix: Tensor) -> None:
+        matrix = matrix.detach()
+        if not matrix.is_contiguous() and matrix.T.is_contiguous():  # a transposed weight: sample its rows
+            matrix, label = matrix.T, f"{label}^T"
+        digest.update(f"{label}:{tuple(matrix.shape)}:{matrix.dtype};".encode())
+        digest.update(np.ascontiguousarray(matrix.cpu().numpy()[::_DIGEST_STRIDE]).tobytes())  # numpy: one thread
+
+    for table, parts in (("values", projected.values), ("keys", projected.keys)):
+        for layer, label, vectors in parts:
+            add(f"{table}/{layer}/{label}", vectors)
+    add("unembedding", projected.unembedding)
+    add("embedding", projected.embedding)
+    return digest.hexdigest()
+
+
+def projection_tables(model: Model, layers: list[int], config, *, bar=None,
+                      projected: Projected | None = None) -> dict[str, pa.Table]:
     """The ``values`` and ``keys`` tables (see kvmem.schema.COLUMNS), computed now."""
     n = min(config.top_n, model.vocab_size)
+    projected = projected or projected_vectors(model, layers, config)
     value_parts, key_parts = [], []
-    unembedding, embedding = model.unembedding(), model.embedding().T  # [d_model, vocab] each
     for layer in layers:
-        for convention in config.conventions:
-            value_parts.append(_rows(layer, project_rows(value_vectors(model, layer, convention), unembedding, n),
-                                     convention))
-        for vector, rows in (key_vectors(model, layer).items() if config.key_projections else ()):
-            key_parts.append(_rows(layer, project_rows(rows, embedding, n), vector))
+        value_parts += [_rows(layer, project_rows(vectors, projected.unembedding, n), label)
+                        for at, label, vectors in projected.values if at == layer]
+        key_parts += [_rows(layer, project_rows(vectors, projected.embedding, n), label)
+                      for at, label, vectors in projected.keys if at == layer]
         if bar is not None:
             bar.update()
     vocab = pa.array(model.vocab_strings, pa.string())
@@ -121,27 +171,30 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
     return pa.table([merged[name] for name in schema.names], schema=schema)
 
 
-def _cache_key(model: Model, layers: list[int], config) -> str | None:
+def _cache_key(model: Model, layers: list[int], config, projected: Projected) -> str | None:
     """None when the weights have no reliable fingerprint (then nothing is cached)."""
     if not model.fingerprint or model.fingerprint.endswith(("unknown", "None")):
         return None
-    from kvmem.schema import FORMAT_VERSION
+    from kvmem.schema import arrow_schema
 
     vocab = hashlib.sha256("\0".join(model.vocab_strings).encode("utf-8", "surrogatepass")).hexdigest()
-    key = {"cache": _CACHE_VERSION, "format": FORMAT_VERSION, "fingerprint": model.fingerprint, "vocab": vocab,
-           "dtype": str(model.dtype), "device": str(model.device).split(":")[0], "layers": list(layers),
+    # the tables' own schema, not the atlas format: a change elsewhere in the atlas keeps the cache
+    tables = hashlib.sha256(str([arrow_schema(name) for name in ("values", "keys")]).encode()).hexdigest()
+    key = {"cache": _CACHE_VERSION, "tables": tables, "fingerprint": model.fingerprint, "vocab": vocab,
+           "content": projected_digest(projected), "device": str(model.device).split(":")[0], "layers": list(layers),
            "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def cached_projection_files(model: Model, layers: list[int], config, *, bar=None) -> dict:
-    """{'files': {'values': path, 'keys': path}, 'cached': bool}: parquet files to copy into an atlas,
+    """{'files': {'values': path, 'keys': path}, 'cached': bool}: parquet files to link into an atlas,
     read from the per-model cache or computed (and cached) now."""
     from kvmem.atomic import staged_directory
     from kvmem.builtin import cache_dir
     from kvmem.scanning.parquet import write_parquet
 
-    key = _cache_key(model, layers, config)
+    projected = projected_vectors(model, layers, config)
+    key = _cache_key(model, layers, config, projected)
     names = ("values", "keys")
     if key is not None:
         directory = cache_dir() / "projections" / key
@@ -149,7 +202,7 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
             if bar is not None:
                 bar.update(len(layers))
             return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": True}
-    tables = projection_tables(model, layers, config, bar=bar)
+    tables = projection_tables(model, layers, config, bar=bar, projected=projected)
     if key is None:
         directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
         for name in names:

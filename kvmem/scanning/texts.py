@@ -52,9 +52,6 @@ class TextStore:
         self.windows = {key: w for key, w in self.windows.items() if key in keys}
         self._kept_after_gc = len(self.windows)
 
-    def merge(self, other: TextStore) -> None:
-        self.windows.update(other.windows)
-
     # ---- serialisation: plain JSON (documents' texts once each) ----
     def to_json(self) -> dict:
         texts: dict[int, list] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -14,7 +15,7 @@ from kvmem.atomic import staged_directory
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.manifest import Manifest
 from kvmem.models import Model
-from kvmem.plan import TokenPlan, unpack
+from kvmem.plan import TokenPlan, pack, unpack
 from kvmem.scanning.accumulator import LayerState
 from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
@@ -22,10 +23,10 @@ from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.texts import trigger_texts
-from kvmem.schema import FORMAT_VERSION, conform
+from kvmem.schema import FORMAT_VERSION, TRIGGER_KINDS, conform
 
 __all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
-           "STATE_DIR"]
+           "samples_table", "contexts_table", "STATE_DIR"]
 
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
 
@@ -34,13 +35,17 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                 overwrite: bool, phases, world: int = 1, keep_state: bool = False, run: dict | None = None) -> None:
     """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last."""
     layers = state.layers
-    with phases.phase("texts", total=2) as bar:
-        triggers = triggers_table(model, config, plan, state)
+    with phases.phase("texts", total=3) as bar:
+        triggers = triggers_table(state)
         bar.update()
-        samples = sample_tables(model, config, plan, state)
+        samples = samples_table(state)
         bar.update()
-    tables = {"neurons": neurons_table(model, layers, state.layer_states), "triggers": triggers,
-              "histograms": histograms_table(layers, state.layer_states), **samples}
+        codes = [pack(t.column("doc").to_numpy(), t.column("pos").to_numpy()) for t in (triggers, samples) if t is not None]
+        contexts = contexts_table(model, config, plan, state, np.unique(np.concatenate(codes)))
+        bar.update()
+    tables = {"neurons": neurons_table(model, layers, state.layer_states), "triggers": triggers, "contexts": contexts,
+              "histograms": histograms_table(layers, state.layer_states),
+              **({"samples": samples} if samples is not None else {})}
     with phases.phase("projections", total=len(layers)) as bar:
         projections = cached_projection_files(model, layers, config, bar=bar)
 
@@ -62,7 +67,7 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
 
     ``manifest``: a :class:`~kvmem.manifest.Manifest`, or a function returning one (called last, so
     it can time the writing);
-    ``copy``: table name -> an already written parquet file to copy in; ``state``: a scan state to
+    ``copy``: table name -> an already written parquet file to link (or copy) in; ``state``: a scan state to
     keep beside the tables (shard atlases, for ``kvmem merge``).
     """
     target = Path(target)
@@ -81,12 +86,23 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
                 if bar is not None:
                     bar.update()
         for name, source in (copy or {}).items():
-            shutil.copyfile(source, tmp / f"{name}.parquet")
+            _link_or_copy(Path(source), tmp / f"{name}.parquet")
         if state is not None:
             save_state(tmp / STATE_DIR, state, {"shard": True})
         if bar is not None:
             bar.update()
         (manifest() if callable(manifest) else manifest).write(tmp / "manifest.json")
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link to a cached file (no bytes rewritten), else a copy (another file system, no links).
+
+    The atlas stays self-contained: deleting it, or the cache, leaves the other's file intact, and
+    neither is ever written in place (the cache and atlases are replaced by renaming directories)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]) -> pa.Table:
@@ -141,7 +157,8 @@ def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[st
         values = np.stack([side.values.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)  # [F, kinds, k]
         codes = np.stack([side.codes.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)
         context = np.stack([side.context.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1, 3)
-        kind_names = np.broadcast_to(np.array(list(sides), object)[None, :, None], values.shape)
+        kind_names = np.broadcast_to(np.array([TRIGGER_KINDS.index(name) for name in sides], np.int64)[None, :, None],
+                                     values.shape)
         ranks = np.broadcast_to(np.arange(k, dtype=np.int16)[None, None, :], values.shape)
         neurons = np.broadcast_to(np.arange(d_ff, dtype=np.int32)[:, None, None], values.shape)
         keep = (codes >= 0).reshape(-1)
@@ -153,38 +170,30 @@ def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[st
     return {name: np.concatenate(p) for name, p in parts.items()}
 
 
-def _texts(model: Model, config: ScanConfig, plan: TokenPlan, state, codes: np.ndarray):
-    """(doc, pos, TriggerText of each) for sorted distinct codes."""
+def contexts_table(model: Model, config: ScanConfig, plan: TokenPlan, state, codes: np.ndarray) -> pa.Table:
+    """One row per distinct position in ``codes`` (sorted packed (doc, pos)): its text, cut from the
+    window the model read (no second pass)."""
     doc, pos = unpack(codes)
-    return doc, pos, trigger_texts(state.texts, doc, pos, window=plan.window, before=config.context_before,
-                                   after=config.context_after, token_str=model.token_str)
-
-
-def _text_columns(model: Model, infos: list, inverse: np.ndarray) -> dict[str, pa.Array]:
-    """The text columns of rows whose position is ``infos[inverse[row]]``."""
+    infos = trigger_texts(state.texts, doc, pos, window=plan.window, before=config.context_before,
+                          after=config.context_after, token_str=model.token_str)
     vocab = model.vocab_strings
-    index = pa.array(inverse)
-
-    def take(values, type_=None) -> pa.Array:
-        return pc.take(pa.array(values, type_), index)
-
     piece_offsets = np.concatenate([[0], np.cumsum([len(t.pieces) for t in infos])]).astype(np.int64)
-    pieces = pa.LargeListArray.from_arrays(pa.array(piece_offsets),  # one list per distinct position
-                                           pa.array([p for t in infos for p in t.pieces], pa.string()))
     token_ids = np.array([t.token_id for t in infos], np.int32)
     next_ids = np.array([t.next_token_id for t in infos], np.int32)
-    return {
-        "doc_id": take([t.doc_id for t in infos], pa.string()),
-        "token_id": pa.array(token_ids[inverse]),
-        "token": take([vocab[i] for i in token_ids], pa.string()),
-        "next_token_id": pa.array(next_ids[inverse]),
-        "next_token": take([vocab[i] if i >= 0 else "" for i in next_ids], pa.string()),
-        "context": take([t.context for t in infos], pa.string()),
-        "span_start": pa.array(np.array([t.span[0] for t in infos], np.int32)[inverse]),
-        "span_end": pa.array(np.array([t.span[1] for t in infos], np.int32)[inverse]),
-        "context_tokens": pc.take(pieces, index),
-        "context_trigger": pa.array(np.array([t.trigger_index for t in infos], np.int16)[inverse]),
-    }
+    return pa.table({
+        "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
+        "doc_id": pa.array([t.doc_id for t in infos], pa.string()),
+        "token_id": token_ids,
+        "token": pa.array([vocab[i] for i in token_ids.tolist()], pa.string()),
+        "next_token_id": next_ids,
+        "next_token": pa.array([vocab[i] if i >= 0 else "" for i in next_ids.tolist()], pa.string()),
+        "context": pa.array([t.context for t in infos], pa.string()),
+        "span_start": np.array([t.span[0] for t in infos], np.int32),
+        "span_end": np.array([t.span[1] for t in infos], np.int32),
+        "context_tokens": pa.LargeListArray.from_arrays(pa.array(piece_offsets),
+                                                        pa.array([p for t in infos for p in t.pieces], pa.string())),
+        "context_trigger": np.array([t.trigger_index for t in infos], np.int16),
+    })
 
 
 def _list_column(matrix: np.ndarray, rows: int) -> pa.Array:
@@ -198,19 +207,16 @@ def _list_column(matrix: np.ndarray, rows: int) -> pa.Array:
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(np.float32)))
 
 
-def triggers_table(model: Model, config: ScanConfig, plan: TokenPlan, state) -> pa.Table:
-    """One row per kept trigger, its context cut from the window the model read (no second pass)."""
+def triggers_table(state) -> pa.Table:
+    """One row per kept trigger; its text is the row (doc, pos) of the contexts table."""
     arrays = _trigger_arrays(state.layers, state.layer_states)
-    codes, inverse = np.unique(arrays["code"], return_inverse=True)
-    doc_u, pos_u, infos = _texts(model, config, plan, state, codes)
-    text = _text_columns(model, infos, inverse)
+    doc, pos = unpack(arrays["code"])
     return pa.table({
-        "layer": arrays["layer"], "neuron": arrays["neuron"], "kind": pa.array(arrays["kind"].tolist(), pa.string()),
+        "layer": arrays["layer"], "neuron": arrays["neuron"],
+        "kind": pc.take(pa.array(TRIGGER_KINDS, pa.string()), pa.array(arrays["kind"])),
         "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
-        "doc": doc_u[inverse].astype(np.int64), "doc_id": text["doc_id"], "pos": pos_u[inverse].astype(np.int32),
-        **{name: text[name] for name in ("token_id", "token", "next_token_id", "next_token", "context", "span_start",
-                                         "span_end", "context_tokens", "context_trigger")},
-        "context_activations": _list_column(arrays["context"], len(inverse)),
+        "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
+        "context_activations": _list_column(arrays["context"], len(arrays["code"])),
     })
 
 
@@ -252,23 +258,19 @@ def _sample_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str
     return {name: np.concatenate(p) for name, p in parts.items()}
 
 
-def sample_tables(model: Model, config: ScanConfig, plan: TokenPlan, state) -> dict[str, pa.Table]:
-    """``samples`` (one row per sampled coefficient) and ``sample_contexts`` (one row per sampled position)."""
+def samples_table(state) -> pa.Table | None:
+    """One row per sampled coefficient (None when the scan kept no samples); text as for triggers."""
     arrays = _sample_arrays(state.layers, state.layer_states)
     if arrays is None:
-        return {}
-    codes, inverse = np.unique(arrays["code"], return_inverse=True)
-    doc_u, pos_u, infos = _texts(model, config, plan, state, codes)
-    samples = pa.table({
+        return None
+    doc, pos = unpack(arrays["code"])
+    return pa.table({
         "layer": arrays["layer"], "neuron": arrays["neuron"],
         "kind": pc.take(pa.array(["random", "bin"], pa.string()), pa.array(arrays["kind"].astype(np.int64))),
         "bin": arrays["bin"], "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
-        "doc": doc_u[inverse].astype(np.int64), "pos": pos_u[inverse].astype(np.int32),
-        "context_activations": _list_column(arrays["context"], len(inverse)),
+        "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
+        "context_activations": _list_column(arrays["context"], len(arrays["code"])),
     })
-    contexts = pa.table({"doc": doc_u.astype(np.int64), "pos": pos_u.astype(np.int32),
-                         **_text_columns(model, infos, np.arange(len(infos)))})
-    return {"samples": samples, "sample_contexts": contexts}
 
 
 def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, timing: dict) -> Manifest:
