@@ -1,0 +1,89 @@
+"""The random-init baseline: the same pipeline on a random-init copy of the scanned model.
+
+The copy has the scanned model's config with fresh weights (``AutoModelForCausalLM.from_config``
+under ``torch.manual_seed(seed)``, the architecture's own initialiser) and its tokenizer; it is
+saved beside the atlas (``ATLAS.random-init.model``) and scanned with the manifest's settings and
+corpus into the sibling atlas ``ATLAS.random-init``. The same neurons are explained there by the
+same explainer and scored by the same scorers and judge; each trained row then carries the score
+of its neuron side in the copy (``S_random_init``, with its interval). Neuron i of a random model
+has nothing to do with neuron i of the trained one: compare distributions, not rows.
+Both directories are reused when they exist and their records match (seed, source fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from kvmem.errors import KvmemError
+
+__all__ = ["random_init_atlas", "random_init_scores"]
+
+
+def _model_dir(atlas, seed: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvmem.records import load_scanned_model
+
+    target = atlas.path.with_name(atlas.path.name + ".random-init.model")
+    stamp = {"source": atlas.manifest.model["name"], "fingerprint": atlas.manifest.model["fingerprint"], "seed": seed}
+    record = target / "kvmem-random-init.json"
+    if record.exists() and json.loads(record.read_text()) == stamp:
+        return target
+    model = load_scanned_model(atlas)
+    torch.manual_seed(seed)
+    fresh = AutoModelForCausalLM.from_config(model.hf_model.config)
+    fresh.save_pretrained(target)
+    model.tokenizer.save_pretrained(target)
+    record.write_text(json.dumps(stamp, indent=2) + "\n")
+    return target
+
+
+def random_init_atlas(atlas, *, seed: int = 0, corpus=None, progress: bool = False):
+    """The sibling atlas of a random-init copy, scanned with ``atlas``'s settings (made once, then reused)."""
+    import kvmem
+    from kvmem.atlas import open_atlas
+    from kvmem.records import scanned_corpus
+
+    sibling = atlas.path.with_name(atlas.path.name + ".random-init")
+    directory = _model_dir(atlas, seed)
+    if (sibling / "manifest.json").exists():
+        opened = open_atlas(sibling)
+        if opened.manifest.model["name"] == str(directory) and opened.manifest.scan == atlas.manifest.scan:
+            return opened
+    model = kvmem.load_model(directory, device="cpu", dtype=atlas.manifest.model.get("dtype"))
+    settings = atlas.manifest.config.to_dict()
+    try:
+        documents = scanned_corpus(atlas, corpus)
+    except KvmemError as error:
+        raise KvmemError(f"the random-init baseline rescans the corpus: {error}") from None
+    return kvmem.scan(model, documents, out=sibling, overwrite=True, progress=progress,
+                      unit=atlas.manifest.corpus.get("unit", "document"), **settings)
+
+
+def random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,
+                       per_band: int, n_boot: int, options=None, progress: bool = False) -> pd.DataFrame:
+    """``rows`` with S_random_init (and interval) from the same pipeline on the random-init sibling."""
+    from kvmem.explain.api import explain, score
+
+    sibling = random_init_atlas(atlas, seed=seed, progress=progress)
+    out = rows.copy()
+    for name, group in rows.groupby("explainer"):
+        if str(name).startswith("user:"):
+            continue  # a user's text explains the trained neuron; the copy has no such explanation
+        pairs = sorted(set(zip(group.layer.astype(int), group.neuron.astype(int))))
+        explain(sibling, neurons=pairs, explainer=str(name), seed=seed, held_out=held_out, options=options)
+        other = score(sibling, scorers=scorers, judge=judge, explainer=str(name), neurons=pairs, seed=seed,
+                      held_out=held_out, per_band=per_band, n_boot=n_boot, options=options)
+        index = {(int(r.layer), int(r.neuron), r.side): r for r in other.itertuples(index=False)}
+        for i in group.index:
+            match = index.get((int(rows.layer[i]), int(rows.neuron[i]), rows.side[i]))
+            if match is None:
+                continue
+            for s in scorers:
+                for suffix in ("", "_low", "_high"):
+                    out.at[i, f"{s}_random_init{suffix}"] = getattr(match, f"{s}{suffix}")
+    return out
