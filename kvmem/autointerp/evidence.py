@@ -17,7 +17,7 @@ Examples of a side (one kept position each, with its stored context):
 A position kept twice is one example: a trigger first, then a random sample (its context
 coefficients are stored), then a bin sample.
 
-Each position's split comes from :func:`kvmem.explain.splits.held_out_mask` on its code. Context
+Each position's split comes from :func:`kvmem.autointerp.splits.held_out_mask` on its code. Context
 coefficients are stored for triggers and random samples (``activations``), not for bin samples.
 """
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, held_out_mask
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES, memory_sides
-from kvmem.explain.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, held_out_mask
 from kvmem.plan import pack
 
 __all__ = ["Example", "SideEvidence", "ACTIVE_LEVELS", "BANDS", "load_evidence", "neuron_sides"]
@@ -87,15 +87,16 @@ def neuron_sides(atlas, sides=None) -> tuple[str, ...]:
 
 def _frame_examples(frame, sign: int, *, band, active, codes_split) -> list[Example]:
     out = []
-    for row, band_name, is_active in zip(frame.itertuples(index=False), band, active):
-        tokens = tuple(str(t) for t in row.context_tokens)
-        stored = row.context_activations if "context_activations" in frame.columns else None
+    has_values = "context_activations" in frame.columns
+    columns = [frame[c].tolist() for c in ("doc", "pos", "context_tokens", "context_trigger", "activation")]
+    stored_all = frame["context_activations"].tolist() if has_values else [None] * len(frame)
+    for doc, pos, tokens, trigger, activation, stored, band_name, is_active in zip(*columns, stored_all, band, active):
+        tokens = tuple(str(t) for t in tokens)
         values = None if stored is None or len(stored) != len(tokens) or not len(tokens) else \
-            tuple(float(sign * a) for a in stored)
-        code = int(pack(int(row.doc), int(row.pos)))
-        out.append(Example(code=code, band=band_name, tokens=tokens, index=int(row.context_trigger),
-                           activation=float(sign * row.activation), activations=values, active=bool(is_active),
-                           held_out=bool(codes_split[code])))
+            tuple(float(a) for a in (np.asarray(stored, np.float64) * sign))
+        code = (int(doc) << 32) | int(pos)
+        out.append(Example(code=code, band=band_name, tokens=tokens, index=int(trigger), activation=float(sign * activation),
+                           activations=values, active=bool(is_active), held_out=bool(codes_split[code])))
     return out
 
 

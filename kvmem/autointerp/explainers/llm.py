@@ -1,6 +1,6 @@
 """The LLM explainer shared by ``hf:`` and ``openai:``: a prompt from the explain-set evidence, one request per side.
 
-The prompt (:data:`kvmem.explain.prompts.PROMPTS` ``explain``) shows up to ``max_examples`` activating
+The prompt (:data:`kvmem.autointerp.prompts.PROMPTS` ``explain``) shows up to ``max_examples`` activating
 explain-set examples, strongest first: triggers with their per-token side activations scaled to
 0..10 by the side's strongest shown activation, bin samples with their kept token highlighted; and the
 tokens the side's memory writes (its promoted tokens). The answer's 'Explanation:' line is the text.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmem.explain.explanation import Explanation
-from kvmem.explain.prompts import PROMPTS, parse_explanation, render_context
+from kvmem.autointerp.explanation import Explanation
+from kvmem.autointerp.prompts import PROMPTS, parse_explanation, render_context
 
 __all__ = ["LLMExplainer", "explain_messages"]
 

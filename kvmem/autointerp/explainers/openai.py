@@ -21,8 +21,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvmem.autointerp.journal import Journal, request_key
 from kvmem.errors import KvmemError
-from kvmem.explain.journal import Journal, request_key
 
 __all__ = ["OpenAIBackend"]
 
@@ -101,7 +101,7 @@ class OpenAIBackend:
                 last = f"HTTP {error.code} {error.reason}"
                 if error.code not in RETRY_STATUS:
                     break
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 last = f"no answer within {self.timeout:g} s"
             except urllib.error.URLError as error:
                 reason = error.reason

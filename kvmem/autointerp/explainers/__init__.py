@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvmem.autointerp.explainers.hf import HFBackend
+from kvmem.autointerp.explainers.llm import LLMExplainer
+from kvmem.autointerp.explainers.openai import OpenAIBackend
+from kvmem.autointerp.explainers.tokens import TokensExplainer
+from kvmem.autointerp.journal import Journal
+from kvmem.autointerp.judges import LLMJudge, TokensJudge
 from kvmem.errors import KvmemError
-from kvmem.explain.explainers.hf import HFBackend
-from kvmem.explain.explainers.llm import LLMExplainer
-from kvmem.explain.explainers.openai import OpenAIBackend
-from kvmem.explain.explainers.tokens import TokensExplainer
-from kvmem.explain.journal import Journal
-from kvmem.explain.judges import LLMJudge, TokensJudge
 
 __all__ = ["BackendOptions", "EXPLAINERS", "get_explainer", "get_judge", "make_backend"]
 

@@ -1,6 +1,6 @@
 """Detection (Delphi, arXiv 2410.13928): does the neuron side fire on the last token of this context?
 
-Held-out activating examples come from every band (:func:`~kvmem.explain.scorers.base.select_active`);
+Held-out activating examples come from every band (:func:`~kvmem.autointerp.scorers.base.select_active`);
 non-activating ones are the held-out random samples below the side's threshold. Each context is
 shown up to and including the kept token (the prefix the coefficient depends on), and the judge
 answers fires / does not fire about its last token. Score: balanced accuracy, chance 0.5.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmem.explain.scorers.base import PER_BAND, Query, Score, Task, select_active
-from kvmem.explain.scorers.statistics import N_BOOT, balanced_accuracy, bootstrap
+from kvmem.autointerp.scorers.base import PER_BAND, Query, Score, Task, select_active
+from kvmem.autointerp.scorers.statistics import N_BOOT, balanced_accuracy, bootstrap
 
 __all__ = ["build", "evaluate", "NAME", "ANSWER"]
 

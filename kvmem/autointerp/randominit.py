@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pandas as pd
-
 from kvmem.errors import KvmemError
 
-__all__ = ["random_init_atlas", "random_init_scores"]
+__all__ = ["random_init_atlas"]
 
 
 def _model_dir(atlas, seed: int) -> Path:
@@ -62,28 +60,3 @@ def random_init_atlas(atlas, *, seed: int = 0, corpus=None, progress: bool = Fal
         raise KvmemError(f"the random-init baseline rescans the corpus: {error}") from None
     return kvmem.scan(model, documents, out=sibling, overwrite=True, progress=progress,
                       unit=atlas.manifest.corpus.get("unit", "document"), **settings)
-
-
-def random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,
-                       per_band: int, n_boot: int, options=None, progress: bool = False) -> pd.DataFrame:
-    """``rows`` with S_random_init (and interval) from the same pipeline on the random-init sibling."""
-    from kvmem.explain.api import explain, score
-
-    sibling = random_init_atlas(atlas, seed=seed, progress=progress)
-    out = rows.copy()
-    for name, group in rows.groupby("explainer"):
-        if str(name).startswith("user:"):
-            continue  # a user's text explains the trained neuron; the copy has no such explanation
-        pairs = sorted(set(zip(group.layer.astype(int), group.neuron.astype(int))))
-        explain(sibling, neurons=pairs, explainer=str(name), seed=seed, held_out=held_out, options=options)
-        other = score(sibling, scorers=scorers, judge=judge, explainer=str(name), neurons=pairs, seed=seed,
-                      held_out=held_out, per_band=per_band, n_boot=n_boot, options=options)
-        index = {(int(r.layer), int(r.neuron), r.side): r for r in other.itertuples(index=False)}
-        for i in group.index:
-            match = index.get((int(rows.layer[i]), int(rows.neuron[i]), rows.side[i]))
-            if match is None:
-                continue
-            for s in scorers:
-                for suffix in ("", "_low", "_high"):
-                    out.at[i, f"{s}_random_init{suffix}"] = getattr(match, f"{s}{suffix}")
-    return out

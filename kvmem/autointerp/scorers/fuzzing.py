@@ -1,10 +1,11 @@
 """Fuzzing (Delphi): is the highlighted token the one where the neuron side fires?
 
-Every held-out activating example (:func:`~kvmem.explain.scorers.base.select_active`) is shown twice
+Every held-out activating example (:func:`~kvmem.autointerp.scorers.base.select_active`) is shown twice
 in full context: once highlighted at its kept token (truth: fires) and once at a wrong position
 (truth: does not fire). The wrong position is drawn, seeded by the example's code, among the
-other tokens whose stored side activation is below the threshold (any other token when the
-context coefficients are not stored, as for bin samples). Score: balanced accuracy, chance 0.5;
+other tokens whose stored side activation is below the threshold; when the context coefficients
+are not stored (bin samples), among the tokens that differ from the kept one (a repeat of the kept
+token would probably fire too, and its truth is unknown). Score: balanced accuracy, chance 0.5;
 the bootstrap resamples examples with both their queries.
 """
 
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmem.explain.scorers.base import PER_BAND, Query, Score, Task, select_active
-from kvmem.explain.scorers.statistics import N_BOOT, balanced_accuracy, bootstrap
-from kvmem.explain.splits import splitmix64
+from kvmem.autointerp.scorers.base import PER_BAND, Query, Score, Task, select_active
+from kvmem.autointerp.scorers.statistics import N_BOOT, balanced_accuracy, bootstrap
+from kvmem.autointerp.splits import splitmix64
 
 __all__ = ["build", "evaluate", "wrong_position", "NAME", "ANSWER"]
 
@@ -24,8 +25,9 @@ ANSWER = "bool"
 
 def wrong_position(example, threshold: float, seed: int) -> int | None:
     """A seeded position other than the kept one where the side does not fire (None if there is none)."""
+    kept = example.tokens[example.index]
     others = [j for j in range(len(example.tokens)) if j != example.index
-              and (example.activations is None or example.activations[j] < threshold)]
+              and (example.tokens[j] != kept if example.activations is None else example.activations[j] < threshold)]
     if not others:
         return None
     pick = int(splitmix64(np.uint64(example.code) ^ splitmix64(np.uint64(seed + 1))) % np.uint64(len(others)))

@@ -1,7 +1,7 @@
 """``explain(atlas, ...)`` writes explanations; ``score(atlas, ...)`` scores them on held-out examples.
 
-Both read the atlas through its public queries (:mod:`kvmem.explain.evidence`) and write
-``explanations.parquet`` (:mod:`kvmem.explain.store`) chunk by chunk, so a killed run keeps every
+Both read the atlas through its public queries (:mod:`kvmem.autointerp.evidence`) and write
+``explanations.parquet`` (:mod:`kvmem.autointerp.store`) chunk by chunk, so a killed run keeps every
 finished chunk; LLM answers are journaled one by one in ``explanations.journal.jsonl`` beside it, so
 a rerun asks nothing twice. Every choice that changes a number (split seed and fraction, examples
 per band, bootstrap replicates, judge and its prompts) is stored in the row beside the number.
@@ -17,16 +17,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvmem.autointerp import store
+from kvmem.autointerp.evidence import load_evidence
+from kvmem.autointerp.explainers import BackendOptions, get_explainer, get_judge
+from kvmem.autointerp.randominit import random_init_atlas
+from kvmem.autointerp.scorers import get_scorers
+from kvmem.autointerp.scorers.base import PER_BAND
+from kvmem.autointerp.scorers.statistics import N_BOOT
+from kvmem.autointerp.selection import select_neurons
+from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES, as_atlas, single_cycle
-from kvmem.explain import store
-from kvmem.explain.evidence import load_evidence
-from kvmem.explain.explainers import BackendOptions, get_explainer, get_judge
-from kvmem.explain.scorers import get_scorers
-from kvmem.explain.scorers.base import PER_BAND
-from kvmem.explain.scorers.statistics import N_BOOT
-from kvmem.explain.selection import select_neurons
-from kvmem.explain.splits import DEFAULT_HELD_OUT, DEFAULT_SEED
 
 __all__ = ["explain", "score", "explanations", "JOURNAL", "DEFAULT_SCORERS", "BASELINES"]
 
@@ -131,9 +132,9 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
           options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
     """Score stored explanations (or a user's file ``explanations=``) on held-out examples; store and return them.
 
-    ``scorers``: names of :data:`kvmem.explain.scorers.SCORERS`;  ``judge``: ``tokens`` (apply the rule),
+    ``scorers``: names of :data:`kvmem.autointerp.scorers.SCORERS`;  ``judge``: ``tokens`` (apply the rule),
     ``hf:PATH`` or ``openai:URL``;  ``explainer``, ``layers``, ``neurons``: which stored rows;
-    ``baseline="random-init"``: also run the pipeline on a random-init copy (see :mod:`kvmem.explain.randominit`).
+    ``baseline="random-init"``: also run the pipeline on a random-init copy (:mod:`kvmem.autointerp.randominit`).
     Each score gets a bootstrap interval over examples and a derangement baseline (the same examples judged
     with another neuron's explanation of the same layer, side and explainer).
     """
@@ -209,10 +210,32 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
                     scored.at[i, f"{name}_baseline_from"] = -1
         store.write(atlas.path, store.upsert(store.read(atlas.path), scored.iloc[begin:stop]))
     if baseline == "random-init":
-        from kvmem.explain.randominit import random_init_scores
-
-        scored = random_init_scores(atlas, scored, scorers=[m.NAME for m in modules], judge=judge, seed=seed,
-                                    held_out=held_out, per_band=per_band, n_boot=n_boot, options=options,
-                                    progress=progress)
+        scored = _random_init_scores(atlas, scored, scorers=[m.NAME for m in modules], judge=judge, seed=seed,
+                                     held_out=held_out, per_band=per_band, n_boot=n_boot, options=options,
+                                     progress=progress)
         store.write(atlas.path, store.upsert(store.read(atlas.path), scored))
     return scored
+
+
+def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,
+                        per_band: int, n_boot: int, options, progress: bool) -> pd.DataFrame:
+    """``rows`` with S_random_init (and interval): the same explainer, scorers and judge on the same neuron sides
+    of the random-init sibling atlas (:func:`kvmem.autointerp.randominit.random_init_atlas`)."""
+    sibling = random_init_atlas(atlas, seed=seed, progress=progress)
+    out = rows.copy()
+    for name, group in rows.groupby("explainer"):
+        if str(name).startswith("user:"):
+            continue  # a user's text explains the trained neuron; the copy has no explanation of its own
+        pairs = sorted(set(zip(group.layer.astype(int), group.neuron.astype(int))))
+        explain(sibling, neurons=pairs, explainer=str(name), seed=seed, held_out=held_out, options=options)
+        other = score(sibling, scorers=scorers, judge=judge, explainer=str(name), neurons=pairs, seed=seed,
+                      held_out=held_out, per_band=per_band, n_boot=n_boot, options=options)
+        index = {(int(r.layer), int(r.neuron), r.side): r for r in other.itertuples(index=False)}
+        for i in group.index:
+            match = index.get((int(rows.layer[i]), int(rows.neuron[i]), rows.side[i]))
+            if match is None:
+                continue
+            for s in scorers:
+                for suffix in ("", "_low", "_high"):
+                    out.at[i, f"{s}_random_init{suffix}"] = getattr(match, f"{s}{suffix}")
+    return out

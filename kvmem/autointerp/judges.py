@@ -1,6 +1,6 @@
 """Judges answer the scorers' queries from an explanation: the ``tokens`` rule itself, or an LLM backend.
 
-A judge takes jobs ``(explanation, scorer, query)`` (:class:`~kvmem.explain.scorers.base.Query`) and
+A judge takes jobs ``(explanation, scorer, query)`` (:class:`~kvmem.autointerp.scorers.base.Query`) and
 returns one answer each: a bool for detection and fuzzing, [T] floats in 0..10 for simulation. An
 LLM judge sends every job of a call to its backend at once (batched or concurrent).
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmem.autointerp.prompts import PROMPTS, parse_simulation, parse_yes_no, render_context
+from kvmem.autointerp.rules import Rule
 from kvmem.errors import KvmemError
-from kvmem.explain.prompts import PROMPTS, parse_simulation, parse_yes_no, render_context
-from kvmem.explain.rules import Rule
 
 __all__ = ["TokensJudge", "LLMJudge"]
 
@@ -44,7 +44,7 @@ class TokensJudge:
 
 @dataclass(frozen=True, kw_only=True)
 class LLMJudge:
-    """Asks an LLM backend (``backend.chat(requests) -> answers``), with :data:`kvmem.explain.prompts.PROMPTS`."""
+    """Asks an LLM backend (``backend.chat(requests) -> answers``), with :data:`kvmem.autointerp.prompts.PROMPTS`."""
 
     backend: object
     name: str = ""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from kvmem.autointerp.scorers import detection, fuzzing, simulation
+from kvmem.autointerp.scorers.base import Query, Score, Task
 from kvmem.errors import KvmemError
-from kvmem.explain.scorers import detection, fuzzing, simulation
-from kvmem.explain.scorers.base import Query, Score, Task
 
 __all__ = ["SCORERS", "get_scorers", "Query", "Score", "Task"]
 

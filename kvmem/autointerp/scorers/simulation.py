@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmem.explain.scorers.base import PER_BAND, Query, Score, Task
-from kvmem.explain.scorers.statistics import N_BOOT, bootstrap, pearson
+from kvmem.autointerp.scorers.base import PER_BAND, Query, Score, Task
+from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, pearson
 
 __all__ = ["build", "evaluate", "NAME", "ANSWER", "MAX_TOP", "MAX_RANDOM"]
 

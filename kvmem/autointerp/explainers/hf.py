@@ -3,15 +3,15 @@
 ``PATH_OR_ID``: a kvmem built-in name (``smollm2-135m``: SmolLM2-135M-Instruct, offline), a local
 model directory or a hub id, loaded with :func:`kvmem.load_model` (so its fingerprint is the
 weights' sha256). Requests are answered greedily (no sampling), ``batch_size`` at a time, left
-padded; every answer is journaled as it is produced (:mod:`kvmem.explain.journal`).
+padded; every answer is journaled as it is produced (:mod:`kvmem.autointerp.journal`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmem.autointerp.journal import Journal, request_key
 from kvmem.errors import KvmemError
-from kvmem.explain.journal import Journal, request_key
 
 __all__ = ["HFBackend"]
 
