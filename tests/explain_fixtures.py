@@ -15,6 +15,7 @@ def explain_atlas_source(gpt2_dir, tmp_path_factory) -> Path:
     """Layer 0 of the tiny GPT-2 with attention output and position embeddings zeroed, so that its coefficients are
     a function of the current token alone; 1,500 tokens of pydoc text, 60 random samples, context coefficients."""
     from pydoc_data.topics import topics
+
     from transformers import GPT2LMHeadModel
 
     base = tmp_path_factory.mktemp("explain")

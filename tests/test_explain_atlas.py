@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from explain_fixtures import explain_atlas, explain_atlas_source  # noqa: F401
 
 import kvmem
 from kvmem.autointerp import store

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable with the API key")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per LLM request (openai:)")
     parser.add_argument("--retries", type=int, default=3, help="retries per LLM request, with backoff (openai:)")
+    parser.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, doubled each time")
     parser.add_argument("--concurrency", type=int, default=4, help="LLM requests in flight (openai:)")
     parser.add_argument("--device", default=None, help="device of an hf: model (default cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.autointerp.selection import parse_neurons
 
     options = BackendOptions(model_name=args.model_name, api_key_env=args.api_key_env, timeout=args.timeout,
-                             retries=args.retries, concurrency=args.concurrency, device=args.device)
+                             retries=args.retries, backoff=args.backoff, concurrency=args.concurrency, device=args.device)
     neurons = parse_neurons(args.neurons) if args.neurons else None
     if args.command == "explain":
         sides = args.sides.split(",") if args.sides else None
