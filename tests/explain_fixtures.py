@@ -42,3 +42,23 @@ def explain_atlas(explain_atlas_source, tmp_path):
     target = tmp_path / "atlas"
     shutil.copytree(explain_atlas_source, target)
     return kvmem.open(target)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama (d 32) at random init with SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kvmem.builtin import smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    assert tokenizer.chat_template
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-chat")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
