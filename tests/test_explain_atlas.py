@@ -141,3 +141,31 @@ def test_killed_explain_resumes_and_matches_a_clean_run(explain_atlas, tmp_path)
     pd.testing.assert_frame_equal(partial, done)  # what was written before the kill is complete and right
     kvmem.explain(explain_atlas, layers=[0])
     pd.testing.assert_frame_equal(store.read(explain_atlas.path), expected)
+
+
+def test_reports_and_neuron_explainer_export_carry_explanations(explain_atlas, tmp_path):
+    import html as html_lib
+
+    from kvmem.export import export_atlas
+    from kvmem.report import export_neuron
+
+    kvmem.explain(explain_atlas, neurons=[(0, 1), (0, 2)])
+    kvmem.score(explain_atlas, scorers="detection,simulation", n_boot=50)
+    row = explain_atlas.explanations(0, 1).iloc[0]
+    data = json.loads(export_neuron(explain_atlas, 0, 1, format="json", out=tmp_path / "r").read_text())
+    [entry] = data["explanations"]
+    assert entry["text"] == row.text and entry["side"] == "positive" and json.loads(entry["rule"]) == json.loads(row.rule)
+    detection = entry["scores"]["detection"]
+    assert (detection["score"], detection["low"], detection["high"]) == pytest.approx(
+        (row.detection, row.detection_low, row.detection_high))
+    assert detection["baseline_from"] == 2 and set(entry["scores"]) == {"detection", "simulation"}
+    interval = f"{row.detection:.2f} [{row.detection_low:.2f}, {row.detection_high:.2f}]"
+    page = export_neuron(explain_atlas, 0, 1, format="html", out=tmp_path / "r").read_text()
+    assert "<h2>Explanations</h2>" in page and interval in page
+    assert html_lib.unescape(page).count(row.text) == 2  # one table row per scorer
+    markdown = export_neuron(explain_atlas, 0, 1, format="md", out=tmp_path / "r").read_text()
+    assert "## Explanations" in markdown and interval in markdown
+    out = export_atlas(explain_atlas, out=tmp_path / "ne", neurons=[(0, 1), (0, 3)], quantiles=False)
+    sidecar = json.loads((out / "kvmem" / "0" / "1.json").read_text())
+    assert sidecar["explanations"][0]["scores"]["simulation"]["score"] == pytest.approx(row.simulation)
+    assert json.loads((out / "kvmem" / "0" / "3.json").read_text())["explanations"] == []

@@ -29,6 +29,10 @@ Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
                   Atlas.quantile_samples; sample = {rank, activation, doc_id, pos, token, context, span,
                   context_tokens, context_trigger, context_activations: [] (not stored for these samples)};
                   [] when the atlas holds no samples
+    explanations  [explanation] from the atlas's explanations.parquet (kvmem explain / kvmem score), [] if none;
+                  explanation = {layer, neuron, side, explainer, explainer_model, prompt_version, prompt_hash, text,
+                  rule (JSON or null), scores: {scorer: {score, low, high, n, judge, baseline, baseline_low,
+                  baseline_high, baseline_from, random_init, random_init_low, random_init_high}}}
 """
 
 from __future__ import annotations
@@ -98,7 +102,15 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
     }
     data["agreement"] = agreement(data)
     data["quantiles"] = _quantiles(atlas, layer, neuron)
+    data["explanations"] = _explanations(atlas, layer, neuron)
     return data
+
+
+def _explanations(atlas, layer: int, neuron: int) -> list[dict]:
+    from kvmem.autointerp.display import explanation_dicts
+
+    rows = explanation_dicts(atlas.explanations(layer, neuron))
+    return [{k: clean(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
 
 
 def _quantiles(atlas, layer: int, neuron: int) -> list[dict]:
