@@ -169,3 +169,23 @@ def test_reports_and_neuron_explainer_export_carry_explanations(explain_atlas, t
     sidecar = json.loads((out / "kvmem" / "0" / "1.json").read_text())
     assert sidecar["explanations"][0]["scores"]["simulation"]["score"] == pytest.approx(row.simulation)
     assert json.loads((out / "kvmem" / "0" / "3.json").read_text())["explanations"] == []
+
+
+def test_random_init_baseline_scans_a_sibling_and_scores_it(explain_atlas):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kvmem.explain(explain_atlas, neurons=[(0, n) for n in range(4)])
+    rows = kvmem.score(explain_atlas, scorers="detection", baseline="random-init", n_boot=50)
+    sibling = kvmem.open(explain_atlas.path.with_name(explain_atlas.path.name + ".random-init"))
+    assert sibling.manifest.scan == explain_atlas.manifest.scan and sibling.manifest.tokens == explain_atlas.manifest.tokens
+    trained = AutoModelForCausalLM.from_pretrained(explain_atlas.manifest.model["name"])
+    fresh = AutoModelForCausalLM.from_pretrained(sibling.manifest.model["name"])
+    assert trained.config.to_dict() == {**fresh.config.to_dict(), "_name_or_path": trained.config._name_or_path}
+    assert not torch.equal(trained.transformer.h[0].mlp.c_fc.weight, fresh.transformer.h[0].mlp.c_fc.weight)
+    theirs = sibling.explanations(explainer="tokens").set_index("neuron")
+    assert len(theirs) == 4
+    for row in rows.itertuples():
+        assert row.detection_random_init == pytest.approx(theirs.detection[row.neuron])
+        assert row.detection_random_init_low <= row.detection_random_init <= row.detection_random_init_high
+    assert store.read(explain_atlas.path).detection_random_init.notna().all()

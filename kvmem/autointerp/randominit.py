@@ -1,7 +1,7 @@
 """The random-init baseline: the same pipeline on a random-init copy of the scanned model.
 
-The copy has the scanned model's config with fresh weights (``AutoModelForCausalLM.from_config``
-under ``torch.manual_seed(seed)``, the architecture's own initialiser) and its tokenizer; it is
+The copy has the scanned model's config with fresh weights (``AutoModelForCausalLM.from_config``,
+the architecture's own initialiser, under a torch seed hashed from ``seed``) and its tokenizer; it is
 saved beside the atlas (``ATLAS.random-init.model``) and scanned with the manifest's settings and
 corpus into the sibling atlas ``ATLAS.random-init``. The same neurons are explained there by the
 same explainer and scored by the same scorers and judge; each trained row then carries the score
@@ -12,6 +12,7 @@ Both directories are reused when they exist and their records match (seed, sourc
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def _model_dir(atlas, seed: int) -> Path:
     if record.exists() and json.loads(record.read_text()) == stamp:
         return target
     model = load_scanned_model(atlas)
-    torch.manual_seed(seed)
+    # a seed of its own (not ``seed`` itself), so the copy never repeats a model made at random init with that seed
+    torch.manual_seed(int(hashlib.sha256(f"kvmem random-init {seed}".encode()).hexdigest()[:15], 16))
     fresh = AutoModelForCausalLM.from_config(model.hf_model.config)
     fresh.save_pretrained(target)
     model.tokenizer.save_pretrained(target)
