@@ -10,7 +10,15 @@ from kvmem.autointerp.explainers.tokens import TokensExplainer, fit_rule
 from kvmem.autointerp.judges import TokensJudge
 from kvmem.autointerp.rules import Rule, normalize
 from kvmem.autointerp.scorers import SCORERS, detection, fuzzing, get_scorers, simulation
-from kvmem.autointerp.scorers.statistics import balanced_accuracy, bootstrap, pearson
+from kvmem.autointerp.scorers.statistics import (
+    balanced_accuracy,
+    balanced_accuracy_from,
+    bootstrap,
+    confusion_sums,
+    moment_sums,
+    pearson,
+    pearson_from,
+)
 from kvmem.autointerp.splits import held_out_mask
 from kvmem.errors import KvmemError
 
@@ -134,8 +142,15 @@ def test_statistics_against_numpy_and_by_hand():
     w = rng.integers(0, 3, size=50).astype(float)
     xr, yr = np.repeat(x, w.astype(int)), np.repeat(y, w.astype(int))
     assert pearson(x, y, w) == pytest.approx(np.corrcoef(xr, yr)[0, 1])
-    low, high = bootstrap(lambda weights: pearson(x + y, y, weights), np.arange(50), n_boot=500, seed=0)
+    sums = moment_sums(x + y, y, np.arange(50))
+    assert pearson_from(sums.sum(axis=0)) == pytest.approx(np.corrcoef(x + y, y)[0, 1])
+    low, high = bootstrap(pearson_from, sums, n_boot=500, seed=0)
     assert low < pearson(x + y, y) < high and high - low < 0.5
+    # a replicate is a resample of whole groups: the group sums of a record of 3 tokens move together
+    groups = np.repeat(np.arange(10), 3)
+    conf = confusion_sums([1, 0, 1] * 10, [1, 1, 0] * 10, groups)
+    assert conf.tolist() == [[1, 1, 0, 1]] * 10 and balanced_accuracy_from(conf.sum(axis=0)) == 0.25
+    assert bootstrap(balanced_accuracy_from, conf, n_boot=200) == (0.25, 0.25)  # every replicate is the same
 
 
 def test_simulation_by_hand():

@@ -189,3 +189,14 @@ def test_random_init_baseline_scans_a_sibling_and_scores_it(explain_atlas):
         assert row.detection_random_init == pytest.approx(theirs.detection[row.neuron])
         assert row.detection_random_init_low <= row.detection_random_init <= row.detection_random_init_high
     assert store.read(explain_atlas.path).detection_random_init.notna().all()
+
+
+def test_layer_reads_equal_the_per_neuron_queries(explain_atlas):
+    from kvmem.autointerp.bulk import layer_evidence
+    from kvmem.autointerp.evidence import load_evidence
+
+    neurons = [0, 5, 63, 64, 200, 255]  # across row groups
+    bulk = layer_evidence(explain_atlas, 0, neurons, seed=3, held_out=0.4)
+    for n in neurons:
+        assert bulk[n] == load_evidence(explain_atlas, 0, n, seed=3, held_out=0.4)
+        assert len(bulk[n][0].examples) > 20

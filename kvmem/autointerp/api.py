@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from kvmem.autointerp import store
-from kvmem.autointerp.evidence import load_evidence
+from kvmem.autointerp.bulk import layer_evidence
 from kvmem.autointerp.explainers import BackendOptions, get_explainer, get_judge
 from kvmem.autointerp.randominit import random_init_atlas
 from kvmem.autointerp.scorers import get_scorers
@@ -43,7 +43,7 @@ def _options(atlas, options: BackendOptions | None) -> BackendOptions:
 
 
 def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: str = "tokens", sides=None,
-            seed: int = DEFAULT_SEED, held_out: float = DEFAULT_HELD_OUT, overwrite: bool = False, chunk: int = 256,
+            seed: int = DEFAULT_SEED, held_out: float = DEFAULT_HELD_OUT, overwrite: bool = False, chunk: int = 1024,
             options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
     """Explain the chosen neurons' sides with ``explainer`` (``tokens``, ``hf:PATH``, ``openai:URL``) and store them.
 
@@ -62,8 +62,11 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
     bar = tqdm(total=len(todo), desc="explain", unit="neuron", disable=not progress)
     for begin in range(0, len(todo), chunk):
         part = todo[begin:begin + chunk]
-        evidence = [side for layer, neuron in part
-                    for side in load_evidence(atlas, layer, neuron, sides=sides, seed=seed, held_out=held_out)]
+        evidence = []
+        for layer in sorted({layer for layer, _ in part}):
+            found = layer_evidence(atlas, layer, [n for l_, n in part if l_ == layer], sides=sides, seed=seed,
+                                   held_out=held_out)
+            evidence.extend(side for n in sorted(found) for side in found[n])
         rows = [{**asdict(e), "explain_codes": list(e.explain_codes), "split_seed": seed, "held_out": held_out}
                 for e in worker.explain(evidence)]
         existing = store.upsert(store.read(atlas.path), pd.DataFrame(rows))
@@ -128,7 +131,7 @@ def read_user_file(atlas, path) -> pd.DataFrame:
 
 def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations=None, explainer: str | None = None,
           layers=None, neurons=None, baseline: str | None = None, seed: int = DEFAULT_SEED,
-          held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND, n_boot: int = N_BOOT, chunk: int = 256,
+          held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND, n_boot: int = N_BOOT, chunk: int = 1024,
           options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
     """Score stored explanations (or a user's file ``explanations=``) on held-out examples; store and return them.
 
@@ -166,17 +169,16 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
         if len(index) > 1:
             borrowed[index] = index[single_cycle(len(index), np.random.default_rng(_seed_of(seed, layer, side, name)))]
     scored = rows.copy()
-    keys = list(zip(rows.layer, rows.neuron))
     for begin in range(0, len(rows), chunk):
         stop = min(begin + chunk, len(rows))
         evidence = {}
-        for i in range(begin, stop):
-            pair = (int(rows.layer[i]), int(rows.neuron[i]), int(rows.split_seed[i]), float(rows.held_out[i]))
-            if pair not in evidence:
-                sides = load_evidence(atlas, pair[0], pair[1], seed=pair[2], held_out=pair[3],
-                                      sides=[s for s in SIDES if ((rows.layer == pair[0]) & (rows.neuron == pair[1])
-                                                                   & (rows.side == s)).any()])
-                evidence[pair] = {s.side: s for s in sides}
+        part = rows.iloc[begin:stop]
+        for (layer, split_seed, fraction), group in part.groupby(["layer", "split_seed", "held_out"]):
+            found = layer_evidence(atlas, int(layer), group.neuron.astype(int).tolist(),
+                                   sides=sorted(set(group.side), key=list(SIDES).index), seed=int(split_seed),
+                                   held_out=float(fraction))
+            for neuron, sides in found.items():
+                evidence[(int(layer), neuron, int(split_seed), float(fraction))] = {s.side: s for s in sides}
         for module in modules:
             tasks, jobs, spans = {}, [], {}
             for i in range(begin, stop):
@@ -192,7 +194,7 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
                     spans[(i, which)] = (start, len(jobs))
             answers = worker.answer(jobs) if jobs else []
             for i, task in tasks.items():
-                boot_seed = _seed_of(seed, keys[i], rows.side[i], module.NAME) % (1 << 32)
+                boot_seed = seed  # the draws depend on (seed, examples): score and baseline resampled alike
                 start, end = spans[(i, "score")]
                 result = module.evaluate(task, answers[start:end], seed=boot_seed, n_boot=n_boot, judge=judge_label)
                 name = module.NAME

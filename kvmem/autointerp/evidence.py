@@ -24,23 +24,23 @@ coefficients are stored for triggers and random samples (``activations``), not f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, held_out_mask
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES, memory_sides
-from kvmem.plan import pack
 
-__all__ = ["Example", "SideEvidence", "ACTIVE_LEVELS", "BANDS", "load_evidence", "neuron_sides"]
+__all__ = ["Example", "SideEvidence", "ACTIVE_LEVELS", "BANDS", "load_evidence", "neuron_sides", "sides_from_rows",
+           "frame_rows", "ROW_COLUMNS"]
 
 ACTIVE_LEVELS = (0.9, 0.99, 0.999)
 BANDS = ("top", "q0.999", "q0.99", "q0.9", "below", "random")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Example:
-    """One kept position of one side.
+class Example(NamedTuple):
+    """One kept position of one side (a NamedTuple: a layer holds about a hundred per neuron side).
 
     code: ``doc << 32 | pos``;  band: one of :data:`BANDS`;  tokens: [T] the stored context;
     index: the kept token in ``tokens``;  activation: side activation at the kept token;
@@ -85,18 +85,29 @@ def neuron_sides(atlas, sides=None) -> tuple[str, ...]:
     return memory_sides(bool(atlas.manifest.model.get("gated")), sides)
 
 
-def _frame_examples(frame, sign: int, *, band, active, codes_split) -> list[Example]:
+ROW_COLUMNS = ("kind", "doc", "pos", "activation", "context_tokens", "context_trigger", "context_activations", "bin")
+
+
+def frame_rows(frame) -> dict[str, list]:
+    """Columns of a triggers or samples frame as Python lists (``bin`` is -1 for triggers)."""
+    rows = {c: frame[c].tolist() for c in ROW_COLUMNS if c in frame.columns}
+    rows.setdefault("bin", [-1] * len(frame))
+    rows.setdefault("context_activations", [None] * len(frame))
+    return rows
+
+
+def _examples(rows: dict, keep: list[int], sign: int, *, band, active, split) -> list[Example]:
     out = []
-    has_values = "context_activations" in frame.columns
-    columns = [frame[c].tolist() for c in ("doc", "pos", "context_tokens", "context_trigger", "activation")]
-    stored_all = frame["context_activations"].tolist() if has_values else [None] * len(frame)
-    for doc, pos, tokens, trigger, activation, stored, band_name, is_active in zip(*columns, stored_all, band, active):
-        tokens = tuple(str(t) for t in tokens)
-        values = None if stored is None or len(stored) != len(tokens) or not len(tokens) else \
-            tuple(float(a) for a in (np.asarray(stored, np.float64) * sign))
-        code = (int(doc) << 32) | int(pos)
-        out.append(Example(code=code, band=band_name, tokens=tokens, index=int(trigger), activation=float(sign * activation),
-                           activations=values, active=bool(is_active), held_out=bool(codes_split[code])))
+    tokens_all, values_all = rows["context_tokens"], rows["context_activations"]
+    docs, poss, triggers, acts = rows["doc"], rows["pos"], rows["context_trigger"], rows["activation"]
+    for i, band_name, is_active in zip(keep, band, active):
+        tokens = tuple(tokens_all[i])
+        stored = values_all[i]
+        values = None if stored is None or len(stored) != len(tokens) or not tokens else \
+            (tuple(stored) if sign > 0 else tuple(-v for v in stored))
+        code = (int(docs[i]) << 32) | int(poss[i])
+        out.append(Example(code, band_name, tokens, int(triggers[i]), float(sign * acts[i]), values, bool(is_active),
+                           split[code]))
     return out
 
 
@@ -110,18 +121,31 @@ def load_evidence(atlas, layer: int, neuron: int, *, sides=None, seed: int = DEF
         samples = atlas.samples(layer, neuron)
     except KvmemError as error:
         raise KvmemError(f"explanations are scored against non-activating samples and {error}") from None
-    samples = samples[samples.context_tokens.map(lambda t: t is not None and len(t) > 0)]
-    triggers = atlas.triggers(layer, neuron)
     histogram = atlas.histogram(layer, neuron)
     values = atlas.values(layer, neuron, convention=convention)
-    counts = histogram["count"].to_numpy().astype(np.float64)
-    total = max(counts.sum(), 1.0)
-    cumulative = np.cumsum(counts) / total
-    codes = np.concatenate([pack(triggers.doc.to_numpy(np.int64), triggers.pos.to_numpy(np.int64)),
-                            pack(samples.doc.to_numpy(np.int64), samples.pos.to_numpy(np.int64))])
-    split = dict(zip(codes.tolist(), held_out_mask(codes, seed=seed, held_out=held_out).tolist()))
     promoted = tuple(values[values.kind == "promote"].sort_values("rank").token)
     suppressed = tuple(values[values.kind == "suppress"].sort_values("rank").token)
+    return sides_from_rows(layer, neuron, triggers=frame_rows(atlas.triggers(layer, neuron)), samples=frame_rows(samples),
+                             counts=histogram["count"].to_numpy(), low=histogram.low.to_numpy(),
+                             high=histogram.high.to_numpy(), promoted=promoted, suppressed=suppressed, sides=sides,
+                             seed=seed, held_out=held_out, convention=convention)
+
+
+def sides_from_rows(layer: int, neuron: int, *, triggers: dict, samples: dict, counts, low, high, promoted, suppressed,
+                    sides, seed: int, held_out: float, convention: str) -> list[SideEvidence]:
+    """The sides' evidence from one neuron's rows: ``triggers`` and ``samples`` as :func:`frame_rows` of the frames
+    :meth:`Atlas.triggers` and :meth:`Atlas.samples` return, its histogram ``counts`` [bins] with bin edges ``low``,
+    ``high`` [bins], and the value's promoted and suppressed tokens (strongest first)."""
+    counts = np.asarray(counts, np.float64)
+    cumulative = np.cumsum(counts) / max(counts.sum(), 1.0)
+    codes = np.asarray([(int(d) << 32) | int(p) for d, p in zip(triggers["doc"] + samples["doc"],
+                                                                triggers["pos"] + samples["pos"])], np.int64)
+    split = dict(zip(codes.tolist(), held_out_mask(codes, seed=seed, held_out=held_out).tolist()))
+    with_context = [i for i, t in enumerate(samples["context_tokens"]) if t is not None and len(t) > 0]
+    sample_kind = samples["kind"]
+    random_rows = [i for i in with_context if sample_kind[i] == "random"]
+    bin_rows = [i for i in with_context if sample_kind[i] == "bin"]
+    random_values = np.asarray([samples["activation"][i] for i in random_rows], np.float64)
     out = []
     for side in sides:
         kind, _, sign = SIDES[side]
@@ -131,22 +155,21 @@ def load_evidence(atlas, layer: int, neuron: int, *, sides=None, seed: int = DEF
         band_of_bin = np.array(["below", *(f"q{v:g}" for v in ACTIVE_LEVELS)])[level]
         active_bins = np.flatnonzero((level > 0) & (counts > 0))
         if len(active_bins):
-            edges = histogram.low.to_numpy() if sign > 0 else -histogram.high.to_numpy()
+            edges = np.asarray(low) if sign > 0 else -np.asarray(high)
             threshold = float(edges[active_bins].min())
         else:
             threshold = float("inf")
         examples: dict[int, Example] = {}
-        side_triggers = triggers[triggers.kind == kind]
-        for e in _frame_examples(side_triggers, sign, band=["top"] * len(side_triggers),
-                                 active=[True] * len(side_triggers), codes_split=split):
+        side_triggers = [i for i, k in enumerate(triggers["kind"]) if k == kind]
+        for e in _examples(triggers, side_triggers, sign, band=["top"] * len(side_triggers),
+                           active=[True] * len(side_triggers), split=split):
             examples.setdefault(e.code, e)
-        random = samples[samples.kind == "random"]
-        fired = (sign * random.activation.to_numpy()) >= threshold
-        for e in _frame_examples(random, sign, band=["random"] * len(random), active=fired, codes_split=split):
+        fired = (sign * random_values) >= threshold
+        for e in _examples(samples, random_rows, sign, band=["random"] * len(random_rows), active=fired, split=split):
             examples.setdefault(e.code, e)
-        bins = samples[samples.kind == "bin"]
-        bin_band = [str(b) for b in band_of_bin[bins["bin"].to_numpy()]] if len(bins) else []
-        for e in _frame_examples(bins, sign, band=bin_band, active=[b != "below" for b in bin_band], codes_split=split):
+        bin_band = [str(band_of_bin[samples["bin"][i]]) for i in bin_rows]
+        for e in _examples(samples, bin_rows, sign, band=bin_band, active=[b != "below" for b in bin_band],
+                           split=split):
             examples.setdefault(e.code, e)
         writes, opposes = (promoted, suppressed) if sign > 0 else (suppressed, promoted)
         out.append(SideEvidence(layer=layer, neuron=neuron, side=side, examples=tuple(examples.values()),

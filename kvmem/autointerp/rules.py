@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvmem.errors import KvmemError
 
@@ -32,6 +33,7 @@ RULE_KINDS: dict[str, tuple[int, str]] = {
 NORMALIZE = "strip-lower"
 
 
+@lru_cache(maxsize=1 << 16)
 def normalize(token: str) -> str:
     """The form rules compare: stripped and lower-cased; a whitespace-only token unchanged."""
     stripped = token.strip()

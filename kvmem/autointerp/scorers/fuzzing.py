@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem.autointerp.scorers.base import PER_BAND, Query, Score, Task, select_active
-from kvmem.autointerp.scorers.statistics import N_BOOT, balanced_accuracy, bootstrap
+from kvmem.autointerp.scorers.statistics import N_BOOT, balanced_accuracy_from, bootstrap, confusion_sums
 from kvmem.autointerp.splits import splitmix64
 
 __all__ = ["build", "evaluate", "wrong_position", "NAME", "ANSWER"]
@@ -50,6 +50,7 @@ def build(side, *, per_band: int = PER_BAND, seed: int = 0) -> Task:
 
 def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge: str = "") -> Score:
     predicted, truth = np.asarray(answers, bool), np.asarray(task.truth, bool)
-    score = float(balanced_accuracy(predicted, truth)) if len(truth) else float("nan")
-    low, high = bootstrap(lambda w: balanced_accuracy(predicted, truth, w), task.group, n_boot=n_boot, seed=seed)
+    sums = confusion_sums(predicted, truth, task.group)  # [examples, 4]
+    score = float(balanced_accuracy_from(sums.sum(axis=0))) if len(truth) else float("nan")
+    low, high = bootstrap(balanced_accuracy_from, sums, n_boot=n_boot, seed=seed)
     return Score(scorer=NAME, score=score, low=low, high=high, n=len(task.codes), judge=judge, codes=task.codes)

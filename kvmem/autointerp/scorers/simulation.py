@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem.autointerp.scorers.base import PER_BAND, Query, Score, Task
-from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, pearson
+from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, moment_sums, pearson_from
 
 __all__ = ["build", "evaluate", "NAME", "ANSWER", "MAX_TOP", "MAX_RANDOM"]
 
@@ -37,6 +37,7 @@ def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge:
     predicted = np.concatenate([np.asarray(a, np.float64) for a in answers])
     truth = np.concatenate(task.truth)
     tokens_of = np.repeat(np.asarray(task.group), [len(t) for t in task.truth])
-    score = float(pearson(predicted, truth))
-    low, high = bootstrap(lambda w: pearson(predicted, truth, w), tokens_of, n_boot=n_boot, seed=seed)
+    sums = moment_sums(predicted, truth, tokens_of)  # [records, 6]
+    score = float(pearson_from(sums.sum(axis=0)))
+    low, high = bootstrap(pearson_from, sums, n_boot=n_boot, seed=seed)
     return Score(scorer=NAME, score=score, low=low, high=high, n=len(task.codes), judge=judge, codes=task.codes)

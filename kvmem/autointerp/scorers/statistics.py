@@ -3,14 +3,19 @@
 Balanced accuracy and a pooled Pearson correlation are not means of per-example numbers, so
 :func:`kvmem.experiments.stats.bootstrap_ci` (means and quantiles) does not fit; this module uses the
 same scheme: each replicate draws multinomial counts over groups (an example, with every query or
-token it owns), and the statistic is computed with those counts as weights.
+token it owns). Both statistics are functions of per-group sums (confusion counts; n, Σx, Σy, Σx²,
+Σy², Σxy), so a replicate is the counts [B, G] times the group sums [G, k]: the cost does not grow
+with the tokens in a group.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
-__all__ = ["balanced_accuracy", "pearson", "bootstrap", "N_BOOT", "LEVEL"]
+__all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
+           "moment_sums", "pearson_from", "N_BOOT", "LEVEL"]
 
 N_BOOT = 1000
 LEVEL = 0.95
@@ -43,16 +48,64 @@ def pearson(x, y, weights=None) -> np.ndarray:
     return np.where(np.maximum(vy, 0) <= scale, np.nan, np.clip(r, -1, 1))
 
 
-def bootstrap(statistic, groups, *, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of ``statistic(weights [B, N]) -> [B]``, resampling whole ``groups`` [N] (ints).
-    NaN replicates (a class drawn empty) are dropped; (NaN, NaN) when none is left."""
+def group_sums(groups, columns) -> np.ndarray:
+    """[G, k]: the sum of each of ``columns`` ([N] arrays) over the items of each group (``groups`` [N] ints)."""
     groups = np.unique(np.asarray(groups), return_inverse=True)[1]
-    if len(groups) == 0:
+    n = int(groups.max()) + 1 if len(groups) else 0
+    return np.stack([np.bincount(groups, weights=np.asarray(c, np.float64), minlength=n) for c in columns], axis=1)
+
+
+def confusion_sums(predicted, truth, groups) -> np.ndarray:
+    """[G, 4] per group: true positives, false negatives, true negatives, false positives."""
+    p, t = np.asarray(predicted, bool), np.asarray(truth, bool)
+    return group_sums(groups, [p & t, ~p & t, ~p & ~t, p & ~t])
+
+
+def balanced_accuracy_from(sums) -> np.ndarray:
+    """Balanced accuracy from confusion sums [..., 4] (summed over groups)."""
+    tp, fn, tn, fp = np.moveaxis(np.asarray(sums, np.float64), -1, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (tp / (tp + fn) + tn / (tn + fp)) / 2
+
+
+def moment_sums(x, y, groups) -> np.ndarray:
+    """[G, 6] per group: n, Σx, Σy, Σx², Σy², Σxy."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return group_sums(groups, [np.ones_like(x), x, y, x * x, y * y, x * y])
+
+
+def pearson_from(sums) -> np.ndarray:
+    """Pearson r from moment sums [..., 6]; 0 where x is constant, NaN where y is (as :func:`pearson`)."""
+    n, sx, sy, sxx, syy, sxy = np.moveaxis(np.asarray(sums, np.float64), -1, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mx, my = sx / n, sy / n
+        vx, vy = np.maximum(sxx / n - mx * mx, 0), np.maximum(syy / n - my * my, 0)
+        r = (sxy / n - mx * my) / np.sqrt(vx * vy)
+    scale = np.maximum(np.abs(mx) + np.abs(my), 1.0) ** 2 * 1e-12
+    r = np.where(vx <= scale, 0.0, r)
+    return np.where(vy <= scale, np.nan, np.clip(r, -1, 1))
+
+
+@lru_cache(maxsize=256)
+def _counts(n: int, n_boot: int, seed: int) -> np.ndarray:
+    """[n_boot, n] multinomial counts of n groups drawn with replacement, seeded by (seed, n); read-only, shared."""
+    rng = np.random.default_rng([seed, n])
+    draws = rng.integers(0, n, size=(n_boot, n)) + (np.arange(n_boot) * n)[:, None]
+    counts = np.bincount(draws.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(np.float64)
+    counts.setflags(write=False)
+    return counts
+
+
+def bootstrap(statistic, sums, *, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of ``statistic(summed [B, k]) -> [B]`` where each replicate sums the per-group ``sums``
+    [G, k] of G groups drawn with replacement (multinomial counts). The draws depend on (seed, G) only, so a
+    score and its baseline on the same examples are resampled alike, and tasks of one size share one draw
+    matrix. NaN replicates (a class drawn empty) are dropped; (NaN, NaN) when none is left."""
+    sums = np.asarray(sums, np.float64)
+    n = len(sums)
+    if n == 0:
         return float("nan"), float("nan")
-    n = int(groups.max()) + 1
-    rng = np.random.default_rng(seed)
-    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)  # [B, groups]
-    values = np.asarray(statistic(counts[:, groups].astype(np.float64)), np.float64)
+    values = np.asarray(statistic(_counts(n, n_boot, seed) @ sums), np.float64)
     values = values[np.isfinite(values)]
     if not len(values):
         return float("nan"), float("nan")
