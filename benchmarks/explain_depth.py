@@ -1,6 +1,7 @@
 """Token rules across depth on smollm2-135m: per-layer scores against the derangement and random-init baselines.
 
     python benchmarks/explain_depth.py [--atlas ATLAS] [--tokens 20000] [--layers 0,5,11,17,23,29] [--random-init]
+                                       [--neurons-per-layer N]
 
 Without --atlas it scans smollm2-135m over the built-in ``pydoc`` corpus (``--tokens`` tokens, the
 given layers, 200 random samples per layer, other settings default) into ``--out``. Then the
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=20000)
     parser.add_argument("--layers", default="0,5,11,17,23,29")
     parser.add_argument("--random-init", action="store_true")
+    parser.add_argument("--neurons-per-layer", type=int, default=None, help="only the first N neurons of each layer")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,13 +59,14 @@ def main(argv=None) -> int:
         atlas_dir = Path(args.atlas)
     atlas = kvmem.open(atlas_dir)
     start = time.perf_counter()
-    kvmem.explain(atlas, all=True)
+    per_layer = args.neurons_per_layer or atlas.d_ff
+    kvmem.explain(atlas, neurons=[(layer, n) for layer in atlas.layers for n in range(per_layer)])
     timing["explain_s"] = time.perf_counter() - start
     start = time.perf_counter()
     rows = kvmem.score(atlas, scorers="detection,simulation", explainer="tokens",
                        baseline="random-init" if args.random_init else None)
     timing["score_s"] = time.perf_counter() - start
-    timing["neurons"] = len(atlas.layers) * atlas.d_ff
+    timing["neurons"] = len(atlas.layers) * per_layer
     results = {"atlas": str(atlas_dir), "model": atlas.manifest.model["name"], "tokens": atlas.manifest.tokens,
                "timing": timing, "layers": []}
     header = (f"{'layer':>5} {'sides':>6} | {'detection [95% CI]':>22} {'derang.':>7} {'rand-init':>9} | "
