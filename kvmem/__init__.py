@@ -26,6 +26,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "report": ("kvmem.report", None),
     "export": ("kvmem.export", None),
     "records": ("kvmem.records", None),
+    "explain": ("kvmem.autointerp", "explain"),
+    "score": ("kvmem.autointerp", "score"),
 }
 
 __all__ = ["__version__", *_LAZY]

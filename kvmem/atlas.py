@@ -443,6 +443,32 @@ class Atlas:
         hits = pa.Table.from_pandas(rows[keep].head(limit), preserve_index=False)
         return self._with_text(hits, "triggers", columns).to_pandas()
 
+    def explanations(self, layer: int | None = None, neuron: int | None = None, *,
+                     explainer: str | None = None) -> pd.DataFrame:
+        """Stored explanations (``explanations.parquet``, written by :func:`kvmem.explain`), with their scores;
+        optionally of one layer, one neuron, one explainer (columns: :data:`kvmem.autointerp.store.COLUMNS`)."""
+        from kvmem.autointerp.store import read
+
+        frame = read(self.path)
+        if layer is not None:
+            self.check(layer, neuron)
+            frame = frame[frame.layer == layer]
+        if neuron is not None:
+            frame = frame[frame.neuron == neuron]
+        if explainer is not None:
+            frame = frame[frame.explainer == explainer]
+        return frame.reset_index(drop=True)
+
+    def search_explanations(self, pattern: str, *, layer: int | None = None, limit: int = 100) -> pd.DataFrame:
+        """Explanations whose text matches a regular expression."""
+        try:
+            regex = re.compile(pattern)
+        except re.error as error:
+            raise KvmemError(f"bad regular expression {pattern!r}: {error}") from None
+        frame = self.explanations(layer)
+        hits = frame[frame.text.map(lambda text: regex.search(text) is not None)]
+        return hits.head(limit).reset_index(drop=True)
+
     def table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
         """A whole table as a DataFrame, optionally only some columns (large for big atlases)."""
         if name not in TABLES:

@@ -128,7 +128,7 @@ def test_json_schema_matches_atlas(atlas, best, tmp_path):
     data = json.loads(path.read_text("utf-8"), parse_constant=lambda name: pytest.fail(f"non-JSON constant {name}"))
     assert data["schema"] == "kvmem.neuron/1" and (data["layer"], data["neuron"]) == (layer, neuron)
     assert set(data) == {"schema", "layer", "neuron", "provenance", "stats", "histogram", "triggers", "values", "keys",
-                         "agreement", "quantiles"}
+                         "agreement", "quantiles", "explanations"}
     p = data["provenance"]
     assert p["fingerprint"] == atlas.manifest.model["fingerprint"] and p["tokens"] == atlas.manifest.tokens
     assert list(p["conventions"]) == atlas.conventions and p["convention"] == atlas.default_convention == DEFAULT_CONVENTION

@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("report_cmd", "export neuron reports (html, md, json) with an index page"),
     "export": ("export_cmd", "export an atlas for explanation tools (formats: kvmem.export.FORMATS)"),
     "taxonomy": ("taxonomy_cmd", "the neuron taxonomy (prediction, suppression, entropy, dead, ...) of an atlas or a model"),
+    "explain": ("explain_cmd", "explain neuron sides in words and token rules"),
+    "score": ("explain_cmd", "score explanations on held-out examples, with intervals and baselines"),
     "experiment": ("experiment_cmd", "run a Geva et al. measurement on an atlas"),
     "trace": ("trace_cmd", "which memories build a prediction, layer by layer"),
     "generate": ("trace_cmd", "generate with memory coefficients set, beside the unchanged model"),

@@ -65,4 +65,14 @@ def run(args: argparse.Namespace) -> int:
         for row in frame.itertuples():
             marked = f"{row.context[:row.span_start]}[[{row.context[row.span_start:row.span_end]}]]{row.context[row.span_end:]}"
             print(f"  {row.rank:>3}  {row.activation:9.4f}  {row.doc_id}@{row.pos}  {marked!r} -> {row.next_token!r}")
+    _print_explanations(atlas, args.layer, args.neuron)
     return 0
+
+
+def _print_explanations(atlas, layer: int, neuron: int) -> None:
+    from kvmem.autointerp.display import explanation_lines
+
+    lines = explanation_lines(atlas.explanations(layer, neuron))
+    if lines:
+        print("\nexplanations (score [95% interval] on held-out examples):")
+        print("\n".join(lines))

@@ -10,7 +10,8 @@ automated-interpretability): its ``fast_dataclasses.loads`` builds each dict who
         random_sample_by_quantile: [[ActivationRecord]] | null, quantile_boundaries: [float] | null,
         mean, variance, skewness, kurtosis, most_positive_activation_records: [ActivationRecord]}
     DIR/kvmem/<layer>/<neuron>.json     what NeuronRecord has no field for (its loader would refuse
-        extra keys): most_negative_activation_records, stdev, each record's source and position
+        extra keys): most_negative_activation_records, stdev, each record's source and position, and the
+        neuron's explanations with their scores, intervals and baselines (``explanations``, [] if none)
     DIR/metadata.json                   the atlas, quantile levels, how each number was computed
 
 - most_positive_activation_records: the top triggers (highest m_i first); most_negative: the bottom
@@ -126,6 +127,7 @@ def _write_neuron(atlas, out: Path, layer: int, neuron: int, by_band, *, model, 
                  "random_sample": "signed m", "random_sample_by_quantile": "signed m"},
         "positions": {name: [_position(r) for r in rows] for name, rows in lists.items()},
     }
+    sidecar["explanations"] = _explanations(atlas, layer, neuron)
     if by_band is not None:
         sidecar["positions"]["random_sample_by_quantile"] = [[_position(r) for r in band] for band in by_band]
         sidecar["quantile_bands"] = [{"levels": [levels[i], levels[i + 1]], "samples": len(band)}
@@ -134,6 +136,13 @@ def _write_neuron(atlas, out: Path, layer: int, neuron: int, by_band, *, model, 
         path = out / folder / str(layer) / f"{neuron}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, ensure_ascii=False, allow_nan=False), encoding="utf-8", errors="replace")
+
+
+def _explanations(atlas, layer: int, neuron: int) -> list[dict]:
+    """The neuron's stored explanations with their scores (kvmem explain / kvmem score), [] if none."""
+    from kvmem.autointerp.display import explanation_dicts
+
+    return explanation_dicts(atlas.explanations(layer, neuron))
 
 
 def _record(r) -> dict:
@@ -207,7 +216,8 @@ def _metadata(atlas, neurons, *, quantiles: bool, per_band: int, levels) -> dict
         "format": "neuron-explainer",
         "record_class": f"NeuronRecord of {SOURCE}",
         "files": {"neurons/<layer>/<neuron>.json": "NeuronRecord (load with neuron_explainer.fast_dataclasses.loads)",
-                  "kvmem/<layer>/<neuron>.json": "most_negative_activation_records, stdev, record positions"},
+                  "kvmem/<layer>/<neuron>.json": "most_negative_activation_records, stdev, record positions, "
+                                                 "explanations (kvmem explain) with scores"},
         "exported_with": __version__,
         "atlas": {"model": m.model["name"], "fingerprint": m.model["fingerprint"], "gated": m.model.get("gated"),
                   "corpus": m.corpus["spec"], "tokens": m.tokens, "kvmem_version": m.kvmem_version},

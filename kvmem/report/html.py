@@ -228,12 +228,36 @@ def _quantiles(data: dict) -> str:
             f'<th>context (sampled token outlined)</th><th>document:position</th></tr>{"".join(rows)}</table>')
 
 
+def _explanations(data: dict) -> str:
+    entries = data.get("explanations") or []
+    if not entries:
+        return ""
+
+    def cell(s: dict | None, key: str = "") -> str:
+        if not s or s[key or "score"] is None:
+            return "–"
+        low, high = s[f"{key}_low" if key else "low"], s[f"{key}_high" if key else "high"]
+        return f"{s[key or 'score']:.2f} [{fmt(low, '.2f')}, {fmt(high, '.2f')}]"
+
+    rows = []
+    for e in entries:
+        for name, s in (e["scores"] or {"": None}).items():
+            rows.append(f"<tr><td>{esc(e['side'])}</td><td>{esc(e['explainer'])}</td><td>{esc(e['text'])}</td>"
+                        f'<td>{esc(name)}</td><td class="num">{cell(s)}</td><td class="num">{cell(s, "baseline")}</td>'
+                        f'<td class="num">{cell(s, "random_init")}</td></tr>')
+    return ("<h2>Explanations</h2><p>Scored on held-out examples the explainer never saw: score [95% bootstrap "
+            "interval]; baseline: the same examples judged with another neuron's explanation of this layer.</p>"
+            '<table class="bt"><tr><th>side</th><th>explainer</th><th>explanation</th><th>scorer</th>'
+            f'<th class="num">score</th><th class="num">baseline</th><th class="num">random-init</th></tr>{"".join(rows)}'
+            "</table>")
+
+
 def render_neuron(data: dict, figures: list) -> str:
     """The complete page for one ``kvmem.neuron/1`` dict and its :class:`~kvmem.report.figures.Figure` list."""
     by_name = {figure.name: figure for figure in figures}
     body = (_header(data) + _stats(data, by_name) + _taxonomy(data) + _triggers(data, by_name) + _quantiles(data) + _values(data, by_name)
             + _keys(data)
-            + _agreement(data))
+            + _agreement(data) + _explanations(data))
     footer = (f'Written by kvmem {esc(_version())} from the atlas <span class="mono">{esc(data["provenance"]["atlas"])}'
               "</span>; schema kvmem.neuron/1. Every number comes from the atlas files; nothing is fetched.")
     return _page(f"L{data['layer']}/{data['neuron']} · {data['provenance']['model']}", body, footer)

@@ -107,8 +107,31 @@ def render_neuron(data: dict, figures: list, *, folder: str) -> str:
             hits = ", ".join(f"{md_code(h['next_token'], table=False)} (trigger #{h['trigger_rank'] + 1}, value rank "
                              f"{h['value_rank'] + 1})" for h in a["hits"])
             out += ["", f"- {md_text(a['convention'])}, {a['triggers']} triggers: {hits}"]
+    out += _explanations(data)
     out += ["", "---", f"*Written by kvmem {md_text(p['exported_with'])}; schema kvmem.neuron/1.*", ""]
     return "\n".join(out)
+
+
+def _explanations(data: dict) -> list[str]:
+    """Each stored explanation with its scores: value [95% interval] and the derangement baseline."""
+    entries = data.get("explanations") or []
+    if not entries:
+        return []
+
+    def cell(s: dict, key: str = "") -> str:
+        value = s[key or "score"]
+        low, high = s[f"{key}_low" if key else "low"], s[f"{key}_high" if key else "high"]
+        return "–" if value is None else f"{value:.2f} [{fmt(low, '.2f')}, {fmt(high, '.2f')}]"
+
+    rows = []
+    for e in entries:
+        for name, s in (e["scores"] or {"": None}).items():
+            rows.append([md_text(e["side"]), md_text(e["explainer"]), md_text(e["text"]), md_text(name),
+                         cell(s) if s else "–", cell(s, "baseline") if s else "–", cell(s, "random_init") if s else "–"])
+    return ["", "## Explanations", "",
+            "Scored on held-out examples the explainer never saw; score [95% bootstrap interval]. Baseline: the same "
+            "examples judged with another neuron's explanation of this layer.", "",
+            _table(["side", "explainer", "explanation", "scorer", "score", "baseline", "random-init"], rows)]
 
 
 def write_neuron(record, data: dict, out: Path, stem: str) -> Path:

@@ -31,6 +31,10 @@ Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
                   [] when the atlas holds no samples
     taxonomy      the neuron's row of the atlas's taxonomy table (kvmem.taxonomy.table.COLUMNS), column -> value,
                   present only when the atlas has one (``kvmem taxonomy --atlas A`` writes it)
+    explanations  [explanation] from the atlas's explanations.parquet (kvmem explain / kvmem score), [] if none;
+                  explanation = {layer, neuron, side, explainer, explainer_model, prompt_version, prompt_hash, text,
+                  rule (JSON or null), scores: {scorer: {score, low, high, n, judge, baseline, baseline_low,
+                  baseline_high, baseline_from, random_init, random_init_low, random_init_high}}}
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
     taxonomy = _taxonomy(atlas, layer, neuron)
     if taxonomy is not None:
         data["taxonomy"] = taxonomy
+    data["explanations"] = _explanations(atlas, layer, neuron)
     return data
 
 
@@ -117,6 +122,13 @@ def _taxonomy(atlas, layer: int, neuron: int) -> dict | None:
         return None
     return {name: (clean(value) if isinstance(value, str) else _number(value)) for name, value in row.iloc[0].items()
             if name not in ("layer", "neuron")}
+
+
+def _explanations(atlas, layer: int, neuron: int) -> list[dict]:
+    from kvmem.autointerp.display import explanation_dicts
+
+    rows = explanation_dicts(atlas.explanations(layer, neuron))
+    return [{k: clean(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
 
 
 def _quantiles(atlas, layer: int, neuron: int) -> list[dict]:

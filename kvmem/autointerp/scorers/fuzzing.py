@@ -1,0 +1,56 @@
+"""Fuzzing (Delphi): is the highlighted token the one where the neuron side fires?
+
+Every held-out activating example (:func:`~kvmem.autointerp.scorers.base.select_active`) is shown twice
+in full context: once highlighted at its kept token (truth: fires) and once at a wrong position
+(truth: does not fire). The wrong position is drawn, seeded by the example's code, among the
+other tokens whose stored side activation is below the threshold; when the context coefficients
+are not stored (bin samples), among the tokens that differ from the kept one (a repeat of the kept
+token would probably fire too, and its truth is unknown). Score: balanced accuracy, chance 0.5;
+the bootstrap resamples examples with both their queries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmem.autointerp.scorers.base import PER_BAND, Query, Score, Task, select_active
+from kvmem.autointerp.scorers.statistics import N_BOOT, balanced_accuracy_from, bootstrap, confusion_sums
+from kvmem.autointerp.splits import splitmix64
+
+__all__ = ["build", "evaluate", "wrong_position", "NAME", "ANSWER"]
+
+NAME = "fuzzing"
+ANSWER = "bool"
+
+
+def wrong_position(example, threshold: float, seed: int) -> int | None:
+    """A seeded position other than the kept one where the side does not fire (None if there is none)."""
+    kept = example.tokens[example.index]
+    others = [j for j in range(len(example.tokens)) if j != example.index
+              and (example.tokens[j] != kept if example.activations is None else example.activations[j] < threshold)]
+    if not others:
+        return None
+    pick = int(splitmix64(np.uint64(example.code) ^ splitmix64(np.uint64(seed + 1))) % np.uint64(len(others)))
+    return others[pick]
+
+
+def build(side, *, per_band: int = PER_BAND, seed: int = 0) -> Task:
+    queries, truth, group, codes = [], [], [], []
+    for e in select_active(side.part(held_out=True), per_band):
+        wrong = wrong_position(e, side.threshold, seed)
+        if wrong is None:
+            continue
+        for index, fires in ((e.index, True), (wrong, False)):
+            queries.append(Query(tokens=e.tokens, index=index))
+            truth.append(fires)
+            group.append(len(codes))
+        codes.append(e.code)
+    return Task(scorer=NAME, queries=tuple(queries), truth=tuple(truth), group=tuple(group), codes=tuple(codes))
+
+
+def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge: str = "") -> Score:
+    predicted, truth = np.asarray(answers, bool), np.asarray(task.truth, bool)
+    sums = confusion_sums(predicted, truth, task.group)  # [examples, 4]
+    score = float(balanced_accuracy_from(sums.sum(axis=0))) if len(truth) else float("nan")
+    low, high = bootstrap(balanced_accuracy_from, sums, n_boot=n_boot, seed=seed)
+    return Score(scorer=NAME, score=score, low=low, high=high, n=len(task.codes), judge=judge, codes=task.codes)

@@ -1,0 +1,114 @@
+"""Scores and their percentile bootstrap intervals, vectorised over replicates (numpy alone).
+
+Balanced accuracy and a pooled Pearson correlation are not means of per-example numbers, so
+:func:`kvmem.experiments.stats.bootstrap_ci` (means and quantiles) does not fit; this module uses the
+same scheme: each replicate draws multinomial counts over groups (an example, with every query or
+token it owns). Both statistics are functions of per-group sums (confusion counts; n, Σx, Σy, Σx²,
+Σy², Σxy), so a replicate is the counts [B, G] times the group sums [G, k]: the cost does not grow
+with the tokens in a group.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
+           "moment_sums", "pearson_from", "N_BOOT", "LEVEL"]
+
+N_BOOT = 1000
+LEVEL = 0.95
+
+
+def balanced_accuracy(predicted, truth, weights=None) -> np.ndarray:
+    """(TPR + TNR) / 2 of bool ``predicted`` vs ``truth`` [N]; ``weights`` [N] or [B, N] -> scalar or [B].
+    NaN when one class has no weight."""
+    p, t = np.asarray(predicted, bool), np.asarray(truth, bool)
+    w = np.ones(len(t)) if weights is None else np.asarray(weights, np.float64)
+    positives, negatives = w @ t, w @ ~t
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ((w @ (p & t)) / positives + (w @ (~p & ~t)) / negatives) / 2
+
+
+def pearson(x, y, weights=None) -> np.ndarray:
+    """Weighted Pearson correlation of ``x`` (predictions) and ``y`` (truth) [N]; weights [N] or [B, N].
+    0 where ``x`` is constant (a prediction that says nothing), NaN where ``y`` is."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    w = np.ones(len(x)) if weights is None else np.asarray(weights, np.float64)
+    total = w.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mx, my = (w @ x) / total, (w @ y) / total
+        vx = (w @ (x * x)) / total - mx * mx
+        vy = (w @ (y * y)) / total - my * my
+        cov = (w @ (x * y)) / total - mx * my
+        r = cov / np.sqrt(np.maximum(vx, 0) * np.maximum(vy, 0))
+    scale = np.maximum(np.abs(mx) + np.abs(my), 1.0) ** 2 * 1e-12
+    r = np.where(np.maximum(vx, 0) <= scale, 0.0, r)
+    return np.where(np.maximum(vy, 0) <= scale, np.nan, np.clip(r, -1, 1))
+
+
+def group_sums(groups, columns) -> np.ndarray:
+    """[G, k]: the sum of each of ``columns`` ([N] arrays) over the items of each group (``groups`` [N] ints)."""
+    groups = np.unique(np.asarray(groups), return_inverse=True)[1]
+    n = int(groups.max()) + 1 if len(groups) else 0
+    return np.stack([np.bincount(groups, weights=np.asarray(c, np.float64), minlength=n) for c in columns], axis=1)
+
+
+def confusion_sums(predicted, truth, groups) -> np.ndarray:
+    """[G, 4] per group: true positives, false negatives, true negatives, false positives."""
+    p, t = np.asarray(predicted, bool), np.asarray(truth, bool)
+    return group_sums(groups, [p & t, ~p & t, ~p & ~t, p & ~t])
+
+
+def balanced_accuracy_from(sums) -> np.ndarray:
+    """Balanced accuracy from confusion sums [..., 4] (summed over groups)."""
+    tp, fn, tn, fp = np.moveaxis(np.asarray(sums, np.float64), -1, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (tp / (tp + fn) + tn / (tn + fp)) / 2
+
+
+def moment_sums(x, y, groups) -> np.ndarray:
+    """[G, 6] per group: n, Σx, Σy, Σx², Σy², Σxy."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return group_sums(groups, [np.ones_like(x), x, y, x * x, y * y, x * y])
+
+
+def pearson_from(sums) -> np.ndarray:
+    """Pearson r from moment sums [..., 6]; 0 where x is constant, NaN where y is (as :func:`pearson`)."""
+    n, sx, sy, sxx, syy, sxy = np.moveaxis(np.asarray(sums, np.float64), -1, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mx, my = sx / n, sy / n
+        vx, vy = np.maximum(sxx / n - mx * mx, 0), np.maximum(syy / n - my * my, 0)
+        r = (sxy / n - mx * my) / np.sqrt(vx * vy)
+    scale = np.maximum(np.abs(mx) + np.abs(my), 1.0) ** 2 * 1e-12
+    r = np.where(vx <= scale, 0.0, r)
+    return np.where(vy <= scale, np.nan, np.clip(r, -1, 1))
+
+
+@lru_cache(maxsize=256)
+def _counts(n: int, n_boot: int, seed: int) -> np.ndarray:
+    """[n_boot, n] multinomial counts of n groups drawn with replacement, seeded by (seed, n); read-only, shared."""
+    rng = np.random.default_rng([seed, n])
+    draws = rng.integers(0, n, size=(n_boot, n)) + (np.arange(n_boot) * n)[:, None]
+    counts = np.bincount(draws.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(np.float64)
+    counts.setflags(write=False)
+    return counts
+
+
+def bootstrap(statistic, sums, *, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of ``statistic(summed [B, k]) -> [B]`` where each replicate sums the per-group ``sums``
+    [G, k] of G groups drawn with replacement (multinomial counts). The draws depend on (seed, G) only, so a
+    score and its baseline on the same examples are resampled alike, and tasks of one size share one draw
+    matrix. NaN replicates (a class drawn empty) are dropped; (NaN, NaN) when none is left."""
+    sums = np.asarray(sums, np.float64)
+    n = len(sums)
+    if n == 0:
+        return float("nan"), float("nan")
+    values = np.asarray(statistic(_counts(n, n_boot, seed) @ sums), np.float64)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return float("nan"), float("nan")
+    tail = (1 - level) / 2
+    low, high = np.quantile(values, [tail, 1 - tail])
+    return float(low), float(high)

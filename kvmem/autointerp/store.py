@@ -1,0 +1,157 @@
+"""``explanations.parquet`` in an atlas: one row per (layer, neuron, side, explainer), typed, merged by key.
+
+Writes go to a temporary file in the atlas that replaces the old one by rename, so a reader (or a
+killed run) sees the old table or the new one, never half of it. Rows are merged by key: rows
+already there are kept as they are unless the caller replaces them (scores of a rescored row).
+The manifest gains an ``explanations`` entry (file, rows, explainers, schema version, columns).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from kvmem.errors import KvmemError
+
+__all__ = ["FILE", "SCHEMA_VERSION", "KEY", "COLUMNS", "SCORE_FIELDS", "arrow_schema", "empty", "read", "write",
+           "upsert"]
+
+FILE = "explanations.parquet"
+SCHEMA_VERSION = 1
+KEY = ("layer", "neuron", "side", "explainer")
+SCORER_NAMES = ("detection", "fuzzing", "simulation")
+
+BASE: dict[str, str] = {
+    "layer": "int16, FFN layer",
+    "neuron": "int32, neuron within the layer",
+    "side": "string: positive (+v, top triggers) | negative (-v, bottom triggers)",
+    "explainer": "string, the explainer spec (tokens, hf:PATH, openai:URL, or user:FILE for a user's file)",
+    "explainer_model": "string, the model that wrote the text ('' for tokens and user files)",
+    "explainer_fingerprint": "string, its fingerprint (weights hash, or the endpoint's model id)",
+    "prompt_version": "string, the explain prompt's version ('' without a prompt)",
+    "prompt_hash": "string, sha256 prefix of that prompt (kvmem.autointerp.prompts)",
+    "text": "string, the explanation",
+    "rule": "string, a rule a program applies (JSON, kvmem.autointerp.rules), '' when none",
+    "explain_score": "float64, the explainer's own balanced accuracy on the examples it saw (NaN if none)",
+    "explain_codes": "list<int64>, position codes (doc << 32 | pos) of the examples the explainer saw",
+    "split_seed": "int64, seed of the explain / held-out split (kvmem.autointerp.splits)",
+    "held_out": "float64, fraction of positions held out",
+}
+# per scorer S: S (the score), S_low / S_high (95% bootstrap interval), S_n (examples), S_judge,
+# S_codes (held-out position codes), S_baseline* (scored with another neuron's explanation),
+# S_baseline_from (that neuron), S_random_init* (the same neuron side of a random-init copy)
+SCORE_FIELDS: dict[str, str] = {
+    "": "float64, score: balanced accuracy (detection, fuzzing) or Pearson r (simulation); NaN if unscored",
+    "_low": "float64, lower end of its 95% bootstrap interval over examples",
+    "_high": "float64, upper end",
+    "_n": "int32, held-out examples scored (-1 if unscored)",
+    "_judge": "string, who judged: tokens, hf:PATH or openai:URL, with its prompt versions",
+    "_codes": "list<int64>, position codes of the held-out examples",
+    "_baseline": "float64, the same examples judged with another neuron's explanation (seeded derangement in the layer)",
+    "_baseline_low": "float64", "_baseline_high": "float64",
+    "_baseline_from": "int32, the neuron whose explanation the baseline used (-1 if none)",
+    "_random_init": "float64, the score of this neuron side in a random-init copy of the model (same pipeline)",
+    "_random_init_low": "float64", "_random_init_high": "float64",
+}
+COLUMNS: dict[str, str] = {**BASE, **{f"{s}{suffix}": text for s in SCORER_NAMES for suffix, text in SCORE_FIELDS.items()}}
+
+
+def _type(description: str):
+    import pyarrow as pa
+
+    head = description.split(",")[0].split(":")[0].strip()
+    return {"int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(), "float64": pa.float64(),
+            "string": pa.string(), "list<int64>": pa.large_list(pa.int64())}[head]
+
+
+def arrow_schema():
+    import pyarrow as pa
+
+    return pa.schema([(name, _type(text)) for name, text in COLUMNS.items()])
+
+
+def _defaults() -> dict:
+    out = {}
+    for name, text in COLUMNS.items():
+        head = text.split(",")[0].split(":")[0].strip()
+        out[name] = {"float64": float("nan"), "string": "", "list<int64>": None}.get(head, -1)
+    return out
+
+
+def empty() -> pd.DataFrame:
+    return arrow_schema().empty_table().to_pandas()
+
+
+def complete(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with every column of :data:`COLUMNS` (missing ones at their 'unscored' default), in order."""
+    frame = frame.copy()
+    for name, value in _defaults().items():
+        if name not in frame.columns:
+            frame[name] = [value if value is not None else [] for _ in range(len(frame))]
+    return frame[list(COLUMNS)]
+
+
+def read(atlas_path) -> pd.DataFrame:
+    """The atlas's explanations (an empty frame with every column when there are none)."""
+    import pyarrow.parquet as pq
+
+    path = Path(atlas_path) / FILE
+    if not path.exists():
+        return empty()
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # pyarrow raises several types for a damaged file
+        raise KvmemError(f"{path} is corrupt ({error}); delete it and explain again") from None
+    return complete(table.to_pandas())
+
+
+def upsert(existing: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
+    """Rows of ``existing`` whose key is not in ``new``, plus ``new``; sorted by key."""
+    new = complete(new)
+    if len(existing):
+        keys = set(map(tuple, new[list(KEY)].itertuples(index=False)))
+        keep = [tuple(k) not in keys for k in existing[list(KEY)].itertuples(index=False)]
+        frames = [f for f in (complete(existing)[keep], new) if len(f)]
+        new = pd.concat(frames, ignore_index=True) if frames else new
+    return new.sort_values(list(KEY), kind="stable").reset_index(drop=True)
+
+
+def write(atlas_path, frame: pd.DataFrame) -> Path:
+    """Replace the atlas's explanations with ``frame`` (atomically) and record it in the manifest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    atlas_path = Path(atlas_path)
+    frame = complete(frame)
+    table = pa.Table.from_pandas(frame, schema=arrow_schema(), preserve_index=False)
+    target = atlas_path / FILE
+    handle, tmp = tempfile.mkstemp(prefix=f".{FILE}.", dir=atlas_path)
+    os.close(handle)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _record_in_manifest(atlas_path, frame)
+    return target
+
+
+def _record_in_manifest(atlas_path: Path, frame: pd.DataFrame) -> None:
+    """Add or refresh the manifest's ``explanations`` entry (the rest of the manifest is kept byte for byte
+    in meaning; the file is replaced by rename)."""
+    path = atlas_path / "manifest.json"
+    data = json.loads(path.read_text())
+    data["explanations"] = {
+        "file": FILE, "schema_version": SCHEMA_VERSION, "rows": int(len(frame)),
+        "explainers": sorted(set(frame.explainer)), "key": list(KEY),
+        "columns": {name: text for name, text in COLUMNS.items()},
+    }
+    handle, tmp = tempfile.mkstemp(prefix=".manifest.", dir=atlas_path)
+    with os.fdopen(handle, "w") as out:
+        out.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

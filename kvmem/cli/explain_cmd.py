@@ -1,0 +1,72 @@
+"""``kvmem explain`` and ``kvmem score``: explanations of neuron sides and their scores on held-out examples.
+
+    kvmem explain --atlas A [--layers L,L|--neurons L:N,...|--all] [--explainer tokens|hf:PATH|openai:URL]
+    kvmem score --atlas A [--scorers detection,fuzzing,simulation] [--judge tokens|hf:PATH|openai:URL]
+                [--explanations FILE] [--baseline random-init]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layers like 0,5,10, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    from kvmem.autointerp.api import BASELINES, DEFAULT_SCORERS
+
+    parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
+    parser.add_argument("--layers", type=_int_list, default=None, help="every neuron of these layers (e.g. 0,5,10)")
+    parser.add_argument("--neurons", default=None, metavar="L:N,...", help="these neurons (e.g. 3:17,5:2)")
+    if command == "explain":
+        parser.add_argument("--all", action="store_true", help="every neuron of the atlas")
+        parser.add_argument("--explainer", default="tokens", help="tokens (default, no model), hf:PATH_OR_ID or openai:URL")
+        parser.add_argument("--overwrite", action="store_true", help="explain again neurons this explainer explained")
+        parser.add_argument("--sides", default=None, help="positive,negative (default: both for gated FFNs)")
+    else:
+        parser.add_argument("--scorers", default=",".join(DEFAULT_SCORERS), help="comma-separated scorer names")
+        parser.add_argument("--judge", default="tokens", help="tokens (apply the rule), hf:PATH_OR_ID or openai:URL")
+        parser.add_argument("--explanations", default=None, help="a user's file (csv, jsonl, parquet) with layer, "
+                                                                 "neuron, side, text [, rule]")
+        parser.add_argument("--explainer", default=None, help="score only the stored rows of this explainer")
+        parser.add_argument("--baseline", default=None, choices=list(BASELINES),
+                            help="also run the pipeline on a random-init copy of the model")
+        parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates (default 1000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the explain/held-out split and the baselines")
+    parser.add_argument("--model-name", default="default", help="the model an openai: endpoint serves")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable with the API key")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per LLM request (openai:)")
+    parser.add_argument("--retries", type=int, default=3, help="retries per LLM request, with backoff (openai:)")
+    parser.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, doubled each time")
+    parser.add_argument("--concurrency", type=int, default=4, help="LLM requests in flight (openai:)")
+    parser.add_argument("--device", default=None, help="device of an hf: model (default cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmem.autointerp.api import explain, score
+    from kvmem.autointerp.explainers import BackendOptions
+    from kvmem.autointerp.selection import parse_neurons
+
+    options = BackendOptions(model_name=args.model_name, api_key_env=args.api_key_env, timeout=args.timeout,
+                             retries=args.retries, backoff=args.backoff, concurrency=args.concurrency, device=args.device)
+    neurons = parse_neurons(args.neurons) if args.neurons else None
+    if args.command == "explain":
+        sides = args.sides.split(",") if args.sides else None
+        rows = explain(args.atlas, layers=args.layers, neurons=neurons, all=args.all, explainer=args.explainer,
+                       sides=sides, seed=args.seed, overwrite=args.overwrite, options=options,
+                       progress=not args.no_progress)
+        print(f"{len(rows)} explanation(s) by {args.explainer} in {args.atlas}/explanations.parquet")
+        return 0
+    rows = score(args.atlas, scorers=args.scorers, judge=args.judge, explanations=args.explanations,
+                 explainer=args.explainer, layers=args.layers, neurons=neurons, baseline=args.baseline, seed=args.seed,
+                 n_boot=args.n_boot, options=options, progress=not args.no_progress)
+    names = [n for n in args.scorers.split(",") if n]
+    summary = ", ".join(f"{n} mean {rows[n].mean():.3f} (baseline {rows[f'{n}_baseline'].mean():.3f})" for n in names)
+    print(f"scored {len(rows)} explanation(s) with judge {args.judge}: {summary}")
+    return 0
