@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -39,15 +40,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 @contextlib.contextmanager
 def torch_path(switch: bool):
     """With ``switch``, the streaming step runs as torch ops (the path a GPU takes), not the CPU kernels."""
-    from kvmem.scanning import kernels
+    from kvmem.scanning.backends import ENV
 
-    saved = list(kernels._KERNEL)
+    saved = os.environ.get(ENV)
     if switch:
-        kernels._KERNEL[:] = [None]
+        os.environ[ENV] = "torch"  # read by select_backend, once per scan
     try:
         yield
     finally:
-        kernels._KERNEL[:] = saved
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def tiny_llama_dir(root: Path) -> Path:
