@@ -34,7 +34,7 @@ from kvmem.scanning.state import ScanState, new_layer_state
 from kvmem.scanning.step import BatchRows, BatchStep, close_open_document
 from kvmem.scanning.writer import write_atlas
 
-__all__ = ["scan", "stream", "ScanState", "resolve_window", "token_plan"]
+__all__ = ["scan", "stream", "resolve_window", "token_plan"]
 
 
 def resolve_window(model: Model, config: ScanConfig) -> int:
