@@ -51,7 +51,7 @@ def token_batches(model, n_tokens: int, *, window: int = 256, batch_size: int = 
     plan = TokenPlan(window=window, bos_token_id=model.bos_token_id)
     rows, total = [], 0
     stream = iterate_batches(open_corpus(corpus), model.tokenizer, plan, StreamPosition())
-    for item in (w for batch in stream if not isinstance(batch, int) for w in batch.windows):
+    for item in (w for batch in stream for w in batch.windows):
         if len(item.tokens) < window:
             continue
         rows.append([model.bos_token_id, *item.tokens])

@@ -77,15 +77,18 @@ class Criterion(NamedTuple):
 @contextlib.contextmanager
 def torch_path(switch: bool):
     """With ``switch``, the streaming step runs as torch ops (the path a GPU takes), not the CPU kernels."""
-    from kvmem.scanning import kernels
+    from kvmem.scanning.backends import ENV
 
-    saved = list(kernels._KERNEL)
+    saved = os.environ.get(ENV)
     if switch:
-        kernels._KERNEL[:] = [None]
+        os.environ[ENV] = "torch"  # read by select_backend, once per scan
     try:
         yield
     finally:
-        kernels._KERNEL[:] = saved
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def tiny_llama_dir(root: Path) -> Path:

@@ -1,7 +1,7 @@
 """Scan overhead: tokens/s of a full kvmem scan step against the bare forward over the same batches.
 
 Full scan step = all layers hooked, top and bottom k=25 with context coefficients, moments, positive
-counts, histograms and the default samples (`kvmem.scanning.accumulator.update`). This is the
+counts, histograms and the default samples (`kvmem.scanning.step.fold_batch`, with the backend `select_backend` picks: KVMEM_KERNELS or --backend). This is the
 streaming pass's bookkeeping alone: benchmarks/whole_scan.py measures the whole command. Bare forward = the model's own forward with logits, and
 also the forward stopped after the last FFN's coefficients (what the scan computes).
 The three are alternated batch by batch and repeated; the ratio is scan tok/s over bare tok/s.
@@ -20,9 +20,11 @@ from common import Timer, machine, token_batches
 
 import kvmem
 from kvmem.plan import pack
-from kvmem.scanning.accumulator import new_layer_state, update, window_context
+from kvmem.scanning.backends import BACKENDS, select_backend
 from kvmem.scanning.capture import capture_coefficients
-from kvmem.scanning.sampling import position_keys
+from kvmem.scanning.rules import position_keys
+from kvmem.scanning.state import new_layer_state
+from kvmem.scanning.step import fold_batch, window_context
 
 
 def main() -> None:
@@ -32,9 +34,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-samples", action="store_true", help="without the random and per-bin samples")
+    parser.add_argument("--backend", choices=list(BACKENDS), help="default: KVMEM_KERNELS, else numba on a CPU")
     args = parser.parse_args()
 
     model = kvmem.load_model(args.model)
+    backend = select_backend(model.device, args.backend)
     batches = token_batches(model, args.tokens, batch_size=args.batch_size)
     layers = list(range(model.n_layers))
     device = model.device  # a GPU when one is present: bookkeeping stays on the device
@@ -69,7 +73,7 @@ def main() -> None:
             def context_fn(rows, neurons):  # the runner's: the neuron's coefficients around each row
                 return window_context(acts, rows, neurons, steps, first, end)
 
-            update(states[layer], acts, codes, context_fn, docs=docs, keys=keys)
+            fold_batch(backend, states[layer], acts, codes, context_fn, docs=docs, keys=keys)
 
         capture_coefficients(model, ids, layers, on)
         if device.startswith("cuda"):
@@ -90,7 +94,7 @@ def main() -> None:
             seconds[name].append(totals[name])
     rate = {name: tokens / statistics.median(values) for name, values in seconds.items()}
     result = {
-        "model": args.model, "samples": not args.no_samples, "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
+        "model": args.model, "samples": not args.no_samples, "backend": backend.name, "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
         "bare_tok_s": round(rate["bare"], 1), "truncated_tok_s": round(rate["truncated"], 1),
         "scan_tok_s": round(rate["scan"], 1),
         "ratio_vs_bare_forward": round(rate["scan"] / rate["bare"], 3),

@@ -24,22 +24,19 @@ import torch
 from common import Timer, machine, peak_rss_mb
 
 import kvmem
-from kvmem.plan import Batch, StreamPosition, iterate_batches
+from kvmem.plan import StreamPosition, iterate_batches
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.runner import token_plan
+from kvmem.scanning.step import BatchRows
 
 
 def bare_forward(model, corpus: str, tokens: int, *, batch_size: int = 8) -> float:
     """Seconds of the HF forward (with logits) over the scan's own batches."""
     plan = token_plan(model, ScanConfig(max_tokens=tokens, batch_size=batch_size))
     batches = []
-    for item in iterate_batches(kvmem.corpus.open_corpus(corpus), model.tokenizer, plan, StreamPosition()):
-        if isinstance(item, Batch):
-            width = max(len(w.tokens) for w in item.windows) + plan.offset
-            ids = torch.zeros((len(item.windows), width), dtype=torch.int64)
-            for row, w in enumerate(item.windows):
-                ids[row, :plan.offset + len(w.tokens)] = torch.tensor(plan.model_input(w.tokens))
-            batches.append(ids)
+    for batch in iterate_batches(kvmem.corpus.open_corpus(corpus), model.tokenizer, plan, StreamPosition()):
+        batches.append(BatchRows.build(batch, plan, context_before=0, context_after=0, seed=0, samples=False,
+                                       device="cpu").ids)
     cuda = str(model.device).startswith("cuda")
     with Timer() as timer, torch.inference_mode():
         for ids in batches:
@@ -67,7 +64,7 @@ def main() -> None:
         with Timer() as timer:
             kvmem.scan(model, args.corpus, out=f"{out}/cold", max_tokens=args.tokens, progress=False)
         cold = round(timer.seconds, 1)
-    bare, whole, phases = [], [], []
+    bare, whole, phases, backend = [], [], [], None
     for _ in range(args.repeats):
         bare.append(bare_forward(model, args.corpus, args.tokens))
         with Timer() as timer:
@@ -75,13 +72,15 @@ def main() -> None:
                                progress=False)
         whole.append(timer.seconds)
         phases.append(atlas.manifest.timing["phases"])
+        backend = atlas.manifest.backend
     shutil.rmtree(out, ignore_errors=True)
     bare_s, whole_s = statistics.median(bare), statistics.median(whole)
     result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 1),
               "scan_seconds": round(whole_s, 1), "ratio": round(bare_s / whole_s, 3),
               "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
+              "backend": backend,
               "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
-    print(f"{args.model}, {args.tokens:,} tokens: whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
+    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend): whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
           f"ratio {result['ratio']:.2f}; phases {result['phases']}"
           + (f"; first scan with an empty projection cache {cold} s" if cold else ""))
     print(json.dumps(result))

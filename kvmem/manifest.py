@@ -37,6 +37,8 @@ class Manifest:
     scan:           ``ScanConfig.to_dict()`` (shard 0/1)
     histogram:      bin count and edges          projection: conventions with formulas, default, top_n
     timing:         seconds per phase, total, batches, world size, this atlas's shard, merge sources
+    engine:         the streaming ``backend`` (``numba``: compiled CPU kernels, ``torch``: torch ops), and the
+                    ``device`` and ``dtype`` the model ran in; empty for atlases written before it was recorded
     environment:    torch / transformers / transformer-lens versions, device, dtype
     """
 
@@ -53,6 +55,7 @@ class Manifest:
     anatomy: dict = field(default_factory=dict)
     windows: int | None = None
     timing: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
 
     # ---- typed views ----
@@ -72,6 +75,11 @@ class Manifest:
     def shard(self) -> tuple[int, int]:
         """The part of the blocks this atlas scanned (i, n); (0, 1) for a whole or merged scan."""
         return tuple(self.timing.get("shard", (0, 1)))
+
+    @property
+    def backend(self) -> str | None:
+        """The streaming backend that produced the atlas (None: not recorded, an older atlas)."""
+        return self.engine.get("backend")
 
     # ---- dict / file ----
     def to_dict(self) -> dict:

@@ -170,7 +170,6 @@ class StreamPosition:
     tokens: int = 0  # scored tokens of the whole stream so far (all shards and ranks)
     documents: int = 0  # documents read so far
     corpus_digest: str = ""  # chained sha256 over (id, text) of every document read
-    finished: bool = False
 
 
 def _encoder(tokenizer) -> Callable[[str], tuple[list[int], list[tuple[int, int]] | None]]:
@@ -185,13 +184,14 @@ def _encoder(tokenizer) -> Callable[[str], tuple[list[int], list[tuple[int, int]
 
 
 def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosition, *, rank: int = 0,
-                    world: int = 1) -> Iterator[Batch | int]:
+                    world: int = 1, on_block_end: Callable[[int], None] | None = None) -> Iterator[Batch]:
     """Walk the corpus under ``plan`` from ``position``; yield this process's batches.
 
-    Also yields the block index (an int) each time a block is complete, so the caller can
-    checkpoint there. ``position`` is updated in place as documents are read. Documents of
-    blocks before ``position.blocks_done`` are skipped without tokenizing them.
-    Foreign blocks are tokenized only when ``max_tokens`` needs their counts.
+    ``on_block_end(block)`` is called each time every block before ``block`` is complete (after
+    the last batch of those blocks was yielded and consumed), so the caller can checkpoint there.
+    ``position`` is updated in place as documents are read. Documents of blocks before
+    ``position.blocks_done`` are skipped without tokenizing them. Foreign blocks are tokenized
+    only when ``max_tokens`` needs their counts.
     """
     encode = _encoder(tokenizer)
     block_docs = plan.block_documents
@@ -231,7 +231,8 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
         if block != current_block:
             yield from batches()
             position.blocks_done = block
-            yield block  # every block before `block` is complete
+            if on_block_end is not None:
+                on_block_end(block)  # every block before `block` is complete
             current_block = block
         if plan.max_tokens is not None and position.tokens >= plan.max_tokens:
             break
@@ -259,4 +260,3 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
         if windows:
             block_windows.append(windows)
     yield from batches()
-    position.finished = True

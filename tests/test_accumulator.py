@@ -7,20 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from kvmem.scanning import kernels
-from kvmem.scanning.accumulator import close_open_document, new_layer_state, update
-from kvmem.scanning.sampling import position_keys
+from kvmem.scanning.backends import select_backend
+from kvmem.scanning.rules import NO_KEY, order_by_key, position_keys
+from kvmem.scanning.state import new_layer_state
+from kvmem.scanning.step import close_open_document, fold_batch
 
 K, F, WIDTH = 3, 5, 2
 
 
-@pytest.fixture(params=["compiled", "torch"], autouse=True)
-def engine(request, monkeypatch):
-    """Every test runs on the compiled CPU kernels and on the torch path (a GPU's)."""
-    if request.param == "torch":
-        monkeypatch.setattr(kernels, "_KERNEL", [None])
-    elif not kernels.compiled_available():
+@pytest.fixture(params=["numba", "torch"])
+def backend(request):
+    """Every streaming test runs on the compiled CPU kernels and on the torch backend (a GPU's)."""
+    chosen = select_backend("cpu", request.param)
+    if chosen.name != request.param:
         pytest.skip("numba is not installed")
+    return chosen
 
 
 def stream(order: list[int], lengths: list[int], acts: dict[int, np.ndarray], cuts: list[int]):
@@ -39,13 +40,14 @@ def stream(order: list[int], lengths: list[int], acts: dict[int, np.ndarray], cu
                torch.tensor([doc for doc, _ in part]), ordered)
 
 
-def run(order, lengths, acts, cuts, **samples):
+def run(backend, order, lengths, acts, cuts, **samples):
     state = new_layer_state(F, K, per_document=True, context_width=WIDTH, **samples)
     for batch_acts, codes, docs, ordered in stream(order, lengths, acts, cuts):
         def context_fn(rows, neurons, a=batch_acts, c=codes):
             return torch.stack([a[rows, neurons], (c[rows] % 1000).float()], dim=1)  # identifies (position, neuron)
-        update(state, batch_acts, codes, context_fn, docs=docs, keys=position_keys(codes, 0), ordered=ordered)
-    close_open_document(state)
+        fold_batch(backend, state, batch_acts, codes, context_fn, docs=docs, keys=position_keys(codes, 0),
+                   ordered=ordered)
+    close_open_document(backend, state)
     return state
 
 
@@ -59,7 +61,7 @@ def brute_top(values: np.ndarray, codes: np.ndarray, largest: bool) -> tuple[np.
 
 
 @pytest.mark.parametrize("seed, n_cuts", [(0, 12), (1, 12), (2, 12), (3, 2), (4, 3)])
-def test_any_code_order_equals_brute_force(seed, n_cuts):
+def test_any_code_order_equals_brute_force(seed, n_cuts, backend):
     """Few cuts: batches of many documents, so the not-yet-full sides first cut to the batch's k best."""
     rng = np.random.default_rng(seed)
     n_docs = 30
@@ -67,8 +69,8 @@ def test_any_code_order_equals_brute_force(seed, n_cuts):
     acts = {d: rng.integers(-3, 4, (lengths[d], F)).astype(np.float32) for d in range(n_docs)}  # many exact ties
     n_rows = sum(lengths)
     cuts = sorted(rng.choice(np.arange(1, n_rows), n_cuts, replace=False).tolist())
-    in_order = run(list(range(n_docs)), lengths, acts, cuts)
-    shuffled = run(sorted(range(n_docs), key=lambda d: (lengths[d], rng.random())), lengths, acts, cuts)
+    in_order = run(backend, list(range(n_docs)), lengths, acts, cuts)
+    shuffled = run(backend, sorted(range(n_docs), key=lambda d: (lengths[d], rng.random())), lengths, acts, cuts)
     codes = np.array([(d << 32) | p for d in range(n_docs) for p in range(lengths[d])], np.int64)
     values = np.concatenate([acts[d] for d in range(n_docs)])
     best = {largest: [] for largest in (True, False)}
@@ -100,15 +102,15 @@ def test_any_code_order_equals_brute_force(seed, n_cuts):
         assert state.count == n_rows
 
 
-def test_samples_do_not_depend_on_code_order():
+def test_samples_do_not_depend_on_code_order(backend):
     rng = np.random.default_rng(5)
     n_docs = 40
     lengths = rng.integers(1, 12, n_docs).tolist()
     acts = {d: rng.normal(size=(lengths[d], F)).astype(np.float32) for d in range(n_docs)}
     cuts = sorted(rng.choice(np.arange(1, sum(lengths)), 15, replace=False).tolist())
     settings = dict(random_samples=7, bin_samples=2, sample_rate=0.5)
-    a = run(list(range(n_docs)), lengths, acts, cuts, **settings)
-    b = run(sorted(range(n_docs), key=lambda d: (lengths[d], d)), lengths, acts, cuts, **settings)
+    a = run(backend, list(range(n_docs)), lengths, acts, cuts, **settings)
+    b = run(backend, sorted(range(n_docs), key=lambda d: (lengths[d], d)), lengths, acts, cuts, **settings)
     assert torch.equal(a.random.codes, b.random.codes) and torch.equal(a.random.values, b.random.values)
     assert torch.equal(a.bins.codes, b.bins.codes)
     assert torch.equal(a.bins.values.nan_to_num(9), b.bins.values.nan_to_num(9))
@@ -118,16 +120,30 @@ def test_samples_do_not_depend_on_code_order():
 def test_sample_order_breaks_equal_keys_by_code():
     """Keys are hashes and almost never tie; when two real keys do, the lower code goes first
     (numpy lexsort as the oracle), along either dimension, with empties (code -1) last."""
-    from kvmem.scanning.sampling import _NO_KEY, _order
-
     rng = np.random.default_rng(3)
     keys = rng.integers(0, 4, (6, 9))  # many equal keys
     codes = rng.permutation(54).reshape(6, 9).astype(np.int64)
-    codes[0, 0], keys[0, 0] = -1, _NO_KEY  # an empty entry
+    codes[0, 0], keys[0, 0] = -1, NO_KEY  # an empty entry
     for dim in (0, 1):
-        got = _order(torch.tensor(keys), torch.tensor(codes), dim).numpy()
+        got = order_by_key(torch.tensor(keys), torch.tensor(codes), dim).numpy()
         sort_codes = np.where(codes < 0, np.iinfo(np.int64).max, codes)
         for i in range(keys.shape[1 - dim]):
             k = keys[:, i] if dim == 0 else keys[i]
             c = sort_codes[:, i] if dim == 0 else sort_codes[i]
             assert (got[:, i] if dim == 0 else got[i]).tolist() == np.lexsort((c, k)).tolist()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+def test_non_finite_batch_is_flagged(backend, bad):
+    """fold_batch's flag (read once per batch by the scan) is False exactly when a coefficient is not finite,
+    wherever it sits in a block of rows."""
+    rng = np.random.default_rng(0)
+    for row in (0, 31, 40):
+        state = new_layer_state(F, K, per_document=True, context_width=WIDTH, random_samples=2, bin_samples=1)
+        acts = torch.tensor(rng.normal(size=(45, F)).astype(np.float32))
+        codes, docs = torch.arange(45), torch.zeros(45, dtype=torch.int64)
+        context = lambda rows, neurons: torch.zeros(rows.numel(), WIDTH)  # noqa: E731
+        assert bool(fold_batch(backend, state, acts, codes, context, docs=docs, keys=position_keys(codes, 0)))
+        acts[row, 2] = bad
+        assert not bool(fold_batch(backend, state, acts, codes + 45, context, docs=docs,
+                                   keys=position_keys(codes + 45, 0)))

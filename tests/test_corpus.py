@@ -110,9 +110,9 @@ def test_plan_batches_blocks_shards_and_cut(gpt2_model):
     docs = list(open_corpus([f"doc {i} " + "word " * (3 + 2 * i) for i in range(6)]))
     plan = TokenPlan(window=4, bos_token_id=None, batch_size=2, block_documents=2)
     position = StreamPosition()
-    items = list(iterate_batches(docs, gpt2_model.tokenizer, plan, position))
-    batches = [i for i in items if not isinstance(i, int)]
-    assert [i for i in items if isinstance(i, int)] == [1, 2]  # block boundaries
+    ends: list[int] = []
+    batches = list(iterate_batches(docs, gpt2_model.tokenizer, plan, position, on_block_end=ends.append))
+    assert all(isinstance(b, Batch) for b in batches) and ends == [1, 2]  # block boundaries
     for batch in batches:
         assert len({w.doc // 2 for w in batch.windows}) == 1  # one block
         assert len(batch.windows) * max(len(w.tokens) for w in batch.windows) <= 2 * 4

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (kvmem/scanning/kernels.py) against numpy brute force, and against
-the torch path they replace: the same state, tensor for tensor, after many batches."""
+"""The numba backend (kvmem/scanning/backends/numba_backend.py) against numpy brute force, and
+against the torch backend: the same state, tensor for tensor, after many batches."""
 
 from __future__ import annotations
 
@@ -7,19 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvmem.scanning import kernels
-from kvmem.scanning.accumulator import close_open_document, new_layer_state, update
+from kvmem.errors import KvmemError
+from kvmem.scanning.backends import ENV, select_backend
 from kvmem.scanning.histogram import HIST_BINS, reference_bin
-from kvmem.scanning.sampling import KEY_BITS, position_keys
-from kvmem.scanning.sides import _ROWS
+from kvmem.scanning.rules import BLOCK_ROWS, KEY_BITS, key_of, key_salt, position_keys
+from kvmem.scanning.state import new_layer_state
+from kvmem.scanning.step import close_open_document, fold_batch
 
-pytestmark = pytest.mark.skipif(not kernels.compiled_available(), reason="numba is a dependency; installed by .ci/run")
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Switch the compiled kernels off for the test's duration."""
-    monkeypatch.setattr(kernels, "_KERNEL", [None])
+NUMBA = select_backend("cpu", "numba")
+TORCH = select_backend("cpu", "torch")
+pytestmark = pytest.mark.skipif(NUMBA.name != "numba", reason="numba is a dependency; installed by .ci/run")
 
 
 def special_values(rng, n: int, d_ff: int) -> np.ndarray:
@@ -39,13 +36,13 @@ def test_batch_statistics_equal_numpy(n, d_ff):
     values = special_values(rng, n, d_ff)
     histogram = torch.full((d_ff, HIST_BINS), 7, dtype=torch.int64)  # added to, not overwritten
     positive = torch.full((d_ff,), 3, dtype=torch.int64)
-    got = kernels.batch_statistics(torch.from_numpy(values), histogram, positive)
+    got = NUMBA.statistics(torch.from_numpy(values), histogram, positive)
     want = np.full((d_ff, HIST_BINS), 7, np.int64)
     for (_, neuron), value in np.ndenumerate(values):
         want[neuron, reference_bin(float(value))] += 1
     np.testing.assert_array_equal(histogram.numpy(), want)
     np.testing.assert_array_equal(positive.numpy(), 3 + (values > 0).sum(0))
-    blocks = [values[b:b + _ROWS] for b in range(0, n, _ROWS)]
+    blocks = [values[b:b + BLOCK_ROWS] for b in range(0, n, BLOCK_ROWS)]
     np.testing.assert_array_equal(got.low.numpy(), np.stack([b.min(0) for b in blocks]))
     np.testing.assert_array_equal(got.high.numpy(), np.stack([b.max(0) for b in blocks]))
     wide = values.astype(np.float64)
@@ -67,14 +64,14 @@ def stream_batches(rng, n_docs: int, d_ff: int, *, shuffled: bool, integer: bool
         yield torch.from_numpy(values[a:b]), codes, docs, position_keys(codes, 0), not shuffled
 
 
-def scan_state(batches, d_ff: int):
+def scan_state(batches, d_ff: int, backend=NUMBA):
     state = new_layer_state(d_ff, 6, per_document=True, context_width=3, random_samples=5, bin_samples=3,
                             sample_rate=0.5)
     for acts, codes, docs, keys, ordered in batches:
         def context_fn(rows, neurons, a=acts, c=codes):  # identifies (position, neuron)
             return torch.stack([a[rows, neurons], (c[rows] % 4096).float(), neurons.float()], dim=1)
-        update(state, acts, codes, context_fn, docs=docs, keys=keys, ordered=ordered)
-    close_open_document(state)
+        fold_batch(backend, state, acts, codes, context_fn, docs=docs, keys=keys, ordered=ordered)
+    close_open_document(backend, state)
     return state
 
 
@@ -88,16 +85,15 @@ def state_tensors(state) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("integer", [False, True])
-def test_compiled_state_equals_torch_state(shuffled, integer, monkeypatch):
+def test_compiled_state_equals_torch_state(shuffled, integer):
     """Every table of the state (kept triggers with their context, per-document bests, histograms,
     counts, both samples) is the same to the bit. The sums: the kernel's to float64 rounding of
     numpy's, the torch path's (float32 blocks of 32 rows) to its stated bound, 32·2⁻²⁴·Σ|m|."""
     d_ff = 150
     batches = list(stream_batches(np.random.default_rng(int(shuffled) * 2 + int(integer)), 60, d_ff,
                                   shuffled=shuffled, integer=integer))
-    compiled = state_tensors(scan_state(batches, d_ff))
-    monkeypatch.setattr(kernels, "_KERNEL", [None])
-    reference = state_tensors(scan_state(batches, d_ff))
+    compiled = state_tensors(scan_state(batches, d_ff, NUMBA))
+    reference = state_tensors(scan_state(batches, d_ff, TORCH))
     assert compiled.keys() == reference.keys()
     values = torch.cat([b[0] for b in batches]).double().numpy()
     for name, want in reference.items():
@@ -110,7 +106,8 @@ def test_compiled_state_equals_torch_state(shuffled, integer, monkeypatch):
             assert torch.equal(compiled[name].nan_to_num(123.0), want.nan_to_num(123.0)), name
 
 
-def test_bin_samples_equal_brute_force():
+@pytest.mark.parametrize("backend", [NUMBA, TORCH], ids=["numba", "torch"])
+def test_bin_samples_equal_brute_force(backend):
     """Each (neuron, bin) keeps the q positions with the smallest (key, code) among those whose
     key is under the rate and whose coefficient falls in the bin."""
     rng = np.random.default_rng(11)
@@ -118,7 +115,8 @@ def test_bin_samples_equal_brute_force():
     batches = list(stream_batches(rng, 80, d_ff, shuffled=True, integer=False))
     state = new_layer_state(d_ff, 2, per_document=False, context_width=1, bin_samples=q, sample_rate=rate)
     for acts, codes, _, keys, ordered in batches:
-        update(state, acts, codes, lambda rows, neurons: torch.zeros(rows.numel(), 1), keys=keys, ordered=ordered)
+        fold_batch(backend, state, acts, codes, lambda rows, neurons: torch.zeros(rows.numel(), 1), keys=keys,
+                   ordered=ordered)
     acts = torch.cat([b[0] for b in batches]).numpy()
     codes = torch.cat([b[1] for b in batches]).numpy()
     keys = torch.cat([b[3] for b in batches]).numpy()
@@ -141,21 +139,34 @@ def test_compiled_key_hash_equals_position_keys():
         state = new_layer_state(1, 1, per_document=False, context_width=1, bin_samples=len(codes), sample_rate=1.0,
                                 seed=seed)
         acts = torch.ones(len(codes), 1)  # one bin: the kernel orders the entries by its own hash
-        update(state, acts, codes, lambda rows, neurons: torch.zeros(rows.numel(), 1),
-               keys=position_keys(codes, seed), ordered=True)
+        fold_batch(NUMBA, state, acts, codes, lambda rows, neurons: torch.zeros(rows.numel(), 1),
+                   keys=position_keys(codes, seed), ordered=True)
         kept = state.bins.codes[0].reshape(-1)
         kept = kept[kept >= 0]
         want = codes[torch.argsort(position_keys(codes, seed), stable=True)]
         assert torch.equal(kept, want)
-        assert int(state.bins._last[reference_bin(1.0), 0]) == int(position_keys(codes, seed).max())  # the q-th key
+        assert int(state.bins.last_keys[reference_bin(1.0), 0]) == int(position_keys(codes, seed).max())  # the q-th key
+        with np.errstate(over="ignore"):  # the rule's scalar spelling, in plain Python
+            scalar = [int(key_of(np.int64(c), np.uint64(key_salt(seed)))) for c in codes.tolist()]
+        assert scalar == position_keys(codes, seed).tolist()
 
 
-def test_kernels_off_by_environment(monkeypatch):
-    monkeypatch.setattr(kernels, "_KERNEL", [])
-    monkeypatch.setenv("KVMEM_KERNELS", "torch")
-    assert not kernels.compiled_available()
+def test_backend_chosen_by_environment_and_name(monkeypatch):
+    """KVMEM_KERNELS picks the backend, a name given beats it, a bad name or numba off the CPU is one line."""
+    monkeypatch.setenv(ENV, "torch")
+    assert select_backend("cpu").name == "torch"
+    assert select_backend("cpu", "numba").name == "numba"
+    monkeypatch.setenv(ENV, "numba")
+    assert select_backend("cpu").name == "numba"
+    monkeypatch.delenv(ENV)
+    assert select_backend("cpu").name == "numba" and select_backend("meta").name == "torch"
+    monkeypatch.setenv(ENV, "cuda-kernels")
+    with pytest.raises(KvmemError, match="unknown KVMEM_KERNELS 'cuda-kernels'; choose one of torch, numba"):
+        select_backend("cpu")
+    with pytest.raises(KvmemError, match="numba backend runs on the CPU only"):
+        select_backend("meta", "numba")
     histogram = torch.zeros(4, HIST_BINS, dtype=torch.int64)
-    stats = kernels.batch_statistics(torch.ones(3, 4), histogram, torch.zeros(4, dtype=torch.int64))
+    stats = select_backend("cpu", "torch").statistics(torch.ones(3, 4), histogram, torch.zeros(4, dtype=torch.int64))
     assert stats.total.tolist() == [3.0] * 4 and int(histogram.sum()) == 12
 
 
@@ -166,9 +177,10 @@ def test_kernels_load_from_the_disk_cache(tmp_path):
     import subprocess
     import sys
 
-    script = ("from kvmem.scanning import kernels; kernels.warm_up('cpu'); "
-              "print(sum(sum(k.stats.cache_misses.values()) for k in kernels._KERNEL[0]), "
-              "sum(sum(k.stats.cache_hits.values()) for k in kernels._KERNEL[0]))")
+    script = ("from kvmem.scanning.backends import select_backend, numba_kernels as k; select_backend('cpu', 'numba'); "
+              "kernels = [getattr(k, name) for name in k.__all__]; "
+              "print(sum(sum(f.stats.cache_misses.values()) for f in kernels), "
+              "sum(sum(f.stats.cache_hits.values()) for f in kernels))")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
             for _ in range(2)]

@@ -194,7 +194,7 @@ def assert_same_atlas(a, b):
     assert ma == mb
 
 
-def test_shards_merge_to_single_scan(gpt2_model, tmp_path):
+def test_shards_merge_to_single_scan(gpt2_dir, gpt2_model, tmp_path):
     whole = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "whole", **SHARDABLE)
     shards = [kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / f"s{i}", shard=(i, 3), **SHARDABLE) for i in range(3)]
     assert sum(s.manifest.tokens for s in shards) == whole.manifest.tokens
@@ -210,6 +210,18 @@ def test_shards_merge_to_single_scan(gpt2_model, tmp_path):
         kvmem.merge([other, shards[1], shards[2]], out=tmp_path / "mixed", model=gpt2_model)
     with pytest.raises(kvmem.KvmemError, match=r"is not a shard atlas"):
         kvmem.merge([whole, shards[1]], out=tmp_path / "bad", model=gpt2_model)
+    used = shards[0].manifest.engine
+    assert used["backend"] in ("numba", "torch") and (used["device"], used["dtype"]) == ("cpu", "float32")
+    other_backend = "torch" if used["backend"] == "numba" else "numba"
+    mixed = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "t1", shard=(1, 3), backend=other_backend, **SHARDABLE)
+    assert mixed.manifest.backend == other_backend
+    with pytest.raises(kvmem.KvmemError, match=rf"cannot merge .*t1 with .*s0: .*t1 was scanned with streaming "
+                                               rf"backend {other_backend}, .*s0 with {used['backend']}"):
+        kvmem.merge([shards[0], mixed, shards[2]], out=tmp_path / "mixed-backend", model=gpt2_model)
+    half = kvmem.load_model(gpt2_dir, device="cpu", dtype="bfloat16")
+    low = kvmem.scan(half, SHORT_DOCS, out=tmp_path / "b2", shard=(2, 3), **SHARDABLE)
+    with pytest.raises(kvmem.KvmemError, match=r"cannot merge .*b2 with .*s0: .*b2 was scanned with dtype bfloat16"):
+        kvmem.merge([shards[0], shards[1], low], out=tmp_path / "mixed-dtype", model=gpt2_model)
 
 
 def test_repeated_text_ties_break_by_lowest_position(gpt2_model, tmp_path):
@@ -270,6 +282,12 @@ kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r
 
     with pytest.raises(kvmem.KvmemError, match="cannot resume from .*: these settings differ from the checkpoint's: top_k"):
         kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False, **{**settings, "top_k": 3})
+    other_backend = "torch" if saved["header"]["backend"] == "numba" else "numba"
+    with pytest.raises(kvmem.KvmemError, match="these settings differ from the checkpoint's: backend;"):
+        kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False, backend=other_backend, **settings)
+    half = kvmem.load_model(gpt2_dir, device="cpu", dtype="bfloat16")
+    with pytest.raises(kvmem.KvmemError, match="these settings differ from the checkpoint's: .*dtype"):
+        kvmem.scan(half, str(corpus), out=out, resume=True, progress=False, **settings)
     real, computed = runner._run_batch, []
     try:
         runner._run_batch = lambda model, batch, *a, **kw: (computed.append(batch), real(model, batch, *a, **kw))[1]
@@ -282,6 +300,35 @@ kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r
     assert min(batch.block for batch in computed) >= blocks_done
     assert_same_atlas(whole, resumed)
     assert not (tmp_path / "resumed.checkpoint").exists()
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+def test_non_finite_coefficients_are_refused(gpt2_model, tmp_path, backend, bad):
+    """One NaN or ±inf coefficient (layer 1, the second batch) stops the scan with one line naming the
+    layer and the batch, on both backends; nothing is written."""
+    from kvmem.scanning import runner
+
+    real, batches = runner.capture_coefficients, [0]
+
+    def poisoned(model, ids, layers, on_coefficients):
+        def inject(layer, m):
+            if layer == 1 and batches[0] == 1:
+                m = m.clone()
+                m[0, 1, 5] = bad  # a scored position (BOS is position 0)
+            on_coefficients(layer, m)
+        real(model, ids, layers, inject)
+        batches[0] += 1
+
+    runner.capture_coefficients = poisoned
+    try:
+        with pytest.raises(kvmem.KvmemError, match=r"layer 1 gave non-finite coefficients \(NaN or ±inf\) in batch 1 "
+                                                   r".*scan in float32 or bfloat16"):
+            kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "a", top_k=2, window=WINDOW, batch_size=2,
+                       per_document=True, progress=False, backend=backend)
+    finally:
+        runner.capture_coefficients = real
+    assert batches[0] == 2 and not (tmp_path / "a").exists()
 
 
 def test_checkpoint_with_pickle_payload_is_refused(gpt2_model, tmp_path):
@@ -393,7 +440,7 @@ def test_samples_equal_brute_force(gpt2_model, gpt2_atlas):
     """The random sample is the positions with the smallest keys; each bin keeps its smallest keys under the rate."""
     from kvmem.plan import pack
     from kvmem.scanning.histogram import bin_index
-    from kvmem.scanning.sampling import KEY_BITS, position_keys
+    from kvmem.scanning.rules import KEY_BITS, position_keys
 
     rows, acts = brute_force(gpt2_model, SHORT_DOCS)
     codes = torch.tensor([int(pack(d, p)) for d, p in rows])

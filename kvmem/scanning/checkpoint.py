@@ -14,13 +14,16 @@ import secrets
 from pathlib import Path
 
 from kvmem.errors import KvmemError
+from kvmem.plan import StreamPosition
+from kvmem.scanning.state import LayerState, ScanState
+from kvmem.scanning.texts import TextStore
 
 __all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
 
 _VERSION = 1
 
 
-def _split(state, header: dict) -> tuple[dict, dict]:
+def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
     tensors, layers = {}, {}
     for layer, layer_state in state.layer_states.items():
         part, meta = layer_state.to_tensors(f"layer{layer}")
@@ -32,12 +35,7 @@ def _split(state, header: dict) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def _join(tensors: dict, meta: dict, header: dict | None, where: str, device):
-    from kvmem.plan import StreamPosition
-    from kvmem.scanning.accumulator import LayerState
-    from kvmem.scanning.runner import ScanState
-    from kvmem.scanning.texts import TextStore
-
+def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) -> ScanState:
     if meta.get("kvmem_state") != _VERSION:
         raise KvmemError(f"{where} is not a kvmem scan state (or one of another version); delete it and scan again")
     if header is not None:
@@ -54,8 +52,14 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device):
     layers = [int(layer) for layer in meta["layer_order"]]
     return ScanState(layers, {layer: LayerState.from_tensors(f"layer{layer}", tensors, meta["layers"][str(layer)])
                               for layer in layers},
-                     TextStore.from_json(meta["texts"]), StreamPosition(**meta["position"]), int(meta["tokens"]),
+                     TextStore.from_json(meta["texts"]), _position(meta["position"]), int(meta["tokens"]),
                      int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]))
+
+
+def _position(data: dict) -> StreamPosition:
+    """The stream position of a saved state (fields a newer or older kvmem adds or drops are ignored)."""
+    known = set(StreamPosition.__dataclass_fields__)
+    return StreamPosition(**{k: v for k, v in data.items() if k in known})
 
 
 def save_state(directory: Path, state, header: dict) -> None:

@@ -26,7 +26,8 @@ class ScanConfig:
     batch_size:       windows per forward pass
     prepend_bos:      prepend the tokenizer's BOS token to every window (never scored)
     context_before / context_after: context tokens kept around each trigger
-    context_activations: recompute each trigger's neuron on its context tokens (one more forward per window with triggers)
+    context_activations: keep each trigger's neuron on its context tokens, read from the batch in memory as it
+                      streams by (no second forward; costs memory for context_width floats per kept entry)
     top_n:            tokens kept per value / key projection, each direction
     conventions:      value projection conventions (see kvmem.conventions.CONVENTIONS)
     key_projections:  also project key (and gate) vectors through the input embedding
@@ -35,7 +36,7 @@ class ScanConfig:
                       the corpus unit is a paragraph, line or sentence, so that sorting by length has
                       enough documents to group)
     sort_by_length:   read each block's documents shortest first (far less padding for short units)
-    random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.sampling
+    random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.state
     bin_samples:      positions kept per neuron and histogram bin, for quantile samples (0 = none)
     sample_rate:      fraction of positions the bin samples draw from (bounds their per-token cost)
     seed:             seed of the samples' position keys

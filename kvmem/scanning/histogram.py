@@ -7,19 +7,22 @@ Bins are sign-symmetric and logarithmic with two bins per octave, edges at 2^e a
 
 So bin 30 is [0, 2^-7), bin 29 is (-2^-7, -0]; a value v < 0 lands in bin 29 - j where j is
 the magnitude bin of |v|. Float32 bits give the bin directly: the exponent and the first
-mantissa bit of |v| are ``(bits & 0x7fffffff) >> 22``. NaN is not expected (never produced by
-a finite model); it would land in an end bin.
+mantissa bit of |v| are ``(bits & 0x7fffffff) >> 22`` (:func:`bin_of_code`, the one spelling
+of the rule). A scan refuses non-finite coefficients (:mod:`kvmem.scanning.step`), so NaN never
+reaches a histogram.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HIST_BINS", "MAGNITUDE_EDGES", "bin_edges", "bin_index", "histogram_update", "reference_bin", "bin_of"]
+__all__ = ["HIST_BINS", "N_MAGNITUDE", "MAGNITUDE_CODE_ZERO", "MAGNITUDE_EDGES", "bin_edges", "bin_of_code", "bin_of",
+           "bin_index", "histogram_update", "reference_bin"]
 
 _LOW_EXP = -7  # smallest finite edge 2^-7
 _HIGH_EXP = 7  # largest finite edge 2^7
-_CODE_LOW = (127 + _LOW_EXP) * 2  # (exponent field * 2 + first mantissa bit) of 2^-7
+# m = exponent field * 2 + first mantissa bit of |v|; m <= MAGNITUDE_CODE_ZERO: magnitude bin 0 ([0, 2^-7))
+MAGNITUDE_CODE_ZERO = (127 + _LOW_EXP) * 2 - 1
 N_MAGNITUDE = 2 * (_HIGH_EXP - _LOW_EXP) + 2  # 30
 HIST_BINS = 2 * N_MAGNITUDE  # 60
 
@@ -34,49 +37,38 @@ def bin_edges() -> list[float]:
     return [-m for m in reversed(magnitudes[1:])] + magnitudes
 
 
-def bin_index(values):
-    """Bin of each float32 value (torch tensor of any shape) -> int32 tensor in [0, HIST_BINS)."""
-    import torch
-
-    bits = values.contiguous().view(torch.int32)
-    code = (bits & 0x7FFFFFFF) >> 22  # exponent field * 2 + first mantissa bit
-    code.sub_(_CODE_LOW - 1).clamp_(0, N_MAGNITUDE - 1)  # magnitude bin j
-    return torch.where(bits < 0, (N_MAGNITUDE - 1) - code, N_MAGNITUDE + code)
-
-
-_RAW_CODES = 1024  # sign bit, 8 exponent bits and the first mantissa bit of a float32: (bits >> 22) & 0x3FF
-
-
-def _raw_to_bin():
-    """[1024] int64: the bin of every raw code (sign << 9 | exponent << 1 | first mantissa bit)."""
-    import torch
-
-    code = torch.arange(_RAW_CODES, dtype=torch.int32)
-    magnitude = (code & 0x1FF).sub(_CODE_LOW - 1).clamp(0, N_MAGNITUDE - 1)
-    return torch.where(code >= 512, (N_MAGNITUDE - 1) - magnitude, N_MAGNITUDE + magnitude).to(torch.int64)
-
-
-_LUT: dict = {}
+def bin_of_code(t):
+    """The bin of one float32 value from its bits shifted right by 22 (arithmetic): t = m for
+    v >= 0 and m - 512 for v < 0, m = exponent field * 2 + first mantissa bit of |v|. Plain
+    Python on integers, so the compiled kernels use it unchanged; :func:`bin_of` is the same
+    formula on tensors."""
+    j = min(max((t & 0x1FF) - MAGNITUDE_CODE_ZERO, 0), N_MAGNITUDE - 1)  # magnitude bin
+    return N_MAGNITUDE + (j ^ (t >> 31))  # v < 0: N_MAGNITUDE - 1 - j (j ^ -1 = -1 - j)
 
 
 def bin_of(values, *, wide: bool = True):
-    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (int32 unless ``wide``;
-    same bins as :func:`bin_index`)."""
+    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (int32 unless ``wide``);
+    :func:`bin_of_code` on every element."""
     import torch
 
     shifted = values.contiguous().view(torch.int32) >> 22  # m for v >= 0, m - 512 for v < 0
-    j = (shifted & 0x1FF).sub_(_CODE_LOW - 1).clamp_(0, N_MAGNITUDE - 1)  # magnitude bin
-    # v >= 0: N_MAGNITUDE + j; v < 0: N_MAGNITUDE - 1 - j, i.e. N_MAGNITUDE + (j ^ -1)
+    j = (shifted & 0x1FF).sub_(MAGNITUDE_CODE_ZERO).clamp_(0, N_MAGNITUDE - 1)  # magnitude bin
     bins = j.bitwise_xor_(shifted >> 31).add_(N_MAGNITUDE)
     return bins.long() if wide else bins
 
 
-# The shifted bits t = bits >> 22 are m - 512 for a negative value and m for a non-negative one, where
-# m = exponent field * 2 + first mantissa bit of |v|; magnitude bin j = clamp(m - _M0, 0, 29).
-_M0 = _CODE_LOW - 1  # m <= _M0: magnitude bin 0 ([0, 2^-7))
+def bin_index(values):
+    """Bin of each float32 value (torch tensor of any shape) -> int32 tensor in [0, HIST_BINS)."""
+    return bin_of(values, wide=False)
+
+
+_LUT: dict = {}
+
+# histogram_update's table: clamping t to [_M0 - 512, _M1] merges the small negatives into
+# m = _M0 and the large positives into m = _M1 without changing any bin, so the bincount table
+# needs 512 - _M0 + _M1 + 1 rows, not 1024.
+_M0 = MAGNITUDE_CODE_ZERO  # m <= _M0: magnitude bin 0 ([0, 2^-7))
 _M1 = _M0 + N_MAGNITUDE - 1  # m >= _M1: the last magnitude bin ([2^7, inf))
-# Clamping t to [_M0 - 512, _M1] merges the small negatives into m = _M0 and the large positives into
-# m = _M1 without changing any bin, so the bincount table needs 512 - _M0 + _M1 + 1 rows, not 1024.
 _T_LOW, _T_HIGH = _M0 - 512, _M1
 _TABLE_ROWS = _T_HIGH - _T_LOW + 1
 _SPLIT = -_T_LOW  # table row of t = 0: rows below hold negative values (m = row + _M0), rows from it non-negative (m = row - _SPLIT)

@@ -1,7 +1,7 @@
 """Merge shard atlases (``kvmem scan --shard i/N``) into the atlas one scan of the whole corpus gives.
 
 Each shard atlas keeps its scan state (``state/``: tensors and JSON); the merge reads those
-states, combines them with :func:`kvmem.scanning.accumulator.merge_states` (the same merge
+states, combines them with :func:`kvmem.scanning.state.merge_states` (the same merge
 torchrun's ranks use) and writes the tables with the scan's own writer.
 """
 
@@ -50,6 +50,11 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     found = [_shard_of(p) for p in paths]
     first, (_, count) = found[0]
     for path, (manifest, shard) in zip(paths, found):
+        for what, mine, theirs in (("streaming backend", manifest.backend, first.backend),
+                                   ("dtype", manifest.engine.get("dtype"), first.engine.get("dtype"))):
+            if mine != theirs:
+                raise KvmemError(f"cannot merge {path} with {paths[0]}: {path} was scanned with {what} {mine}, "
+                                 f"{paths[0]} with {theirs} (their sums differ); rescan {path} with {what} {theirs}")
         if shard[1] != count:
             raise KvmemError(f"{path} is shard {shard[0]}/{shard[1]}, {paths[0]} is one of {count}: these come "
                              f"from different scans")
@@ -83,5 +88,6 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     config, plan = first.config, first.plan  # both record shard 0/1: a shard's part is in its timing
     corpus = {k: v for k, v in first.corpus.items() if k not in ("documents", "sha256_chain")}
     run = {"merged_from": [str(p) for p in paths], "shard_seconds": [m.timing.get("total_seconds") for m, _ in found]}
-    write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run)
+    write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run,
+                backend=first.backend or "unrecorded")
     return open_atlas(target)

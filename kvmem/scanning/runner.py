@@ -4,8 +4,10 @@ The pass reads and tokenizes the corpus once. Everything the atlas needs from th
 (trigger contexts, each trigger's neuron on its context tokens) is captured while the batch
 is in memory; value and key projections depend on the weights alone and are cached per model.
 
-Under ``torchrun`` each rank scans its share of the blocks (:mod:`kvmem.plan`); rank 0 merges
-the states with :func:`kvmem.scanning.accumulator.merge_states` and writes the atlas.
+Each batch goes into the state through :mod:`kvmem.scanning.step`, with the backend chosen once
+for the scan (:func:`kvmem.scanning.backends.select_backend`). Under ``torchrun`` each rank scans
+its share of the blocks (:mod:`kvmem.plan`); rank 0 merges the states with
+:func:`kvmem.scanning.state.merge_states` and writes the atlas.
 """
 
 from __future__ import annotations
@@ -14,63 +16,25 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from kvmem.atlas import open_atlas
 from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
-from kvmem.plan import DEFAULT_WINDOW, Batch, StreamPosition, TokenPlan, iterate_batches, pack
-from kvmem.scanning import distributed, kernels
-from kvmem.scanning.accumulator import (
-    LayerState,
-    close_open_document,
-    merge_states,
-    new_layer_state,
-    update,
-    window_context,
-)
+from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, iterate_batches
+from kvmem.scanning import distributed
+from kvmem.scanning.backends import Backend, select_backend
 from kvmem.scanning.capture import capture_coefficients
 from kvmem.scanning.checkpoint import load_state, save_state
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.progress import Phases
-from kvmem.scanning.sampling import position_keys
-from kvmem.scanning.texts import TextStore
+from kvmem.scanning.state import ScanState, new_layer_state
+from kvmem.scanning.step import BatchRows, BatchStep, close_open_document
+from kvmem.scanning.writer import write_atlas
 
-__all__ = ["scan", "stream", "ScanState", "resolve_window", "token_plan"]
-
-
-@dataclass
-class ScanState:
-    """Everything a process holds during a scan; what a checkpoint stores (as tensors and JSON)."""
-
-    layers: list[int]
-    layer_states: dict[int, LayerState]
-    texts: TextStore = field(default_factory=TextStore)
-    position: StreamPosition = field(default_factory=StreamPosition)
-    tokens: int = 0  # scored by this process
-    windows: int = 0
-    batches: int = 0  # forwards run by this process (resumed runs included)
-    seconds: float = 0.0  # streaming seconds so far
-
-    def merge(self, other: ScanState) -> ScanState:
-        """The state of one process that had read both (disjoint shares of one stream)."""
-        return ScanState(self.layers, {layer: merge_states(self.layer_states[layer], other.layer_states[layer])
-                                       for layer in self.layers},
-                         TextStore({**self.texts.windows, **other.texts.windows}), self.position,
-                         self.tokens + other.tokens, self.windows + other.windows, self.batches + other.batches,
-                         max(self.seconds, other.seconds))
-
-    def referenced_windows(self, window: int) -> set[int]:
-        codes = [part.codes.reshape(-1) for s in self.layer_states.values()
-                 for part in (*s.sides().values(), s.open_top, s.open_bottom, s.random, s.bins) if part is not None]
-        codes = torch.unique(torch.cat(codes).cpu())
-        codes = codes[codes >= 0]
-        docs, pos = codes >> 32, codes & 0xFFFFFFFF
-        return set(pack(docs, pos - pos % window).tolist())
+__all__ = ["scan", "stream", "resolve_window", "token_plan"]
 
 
 def resolve_window(model: Model, config: ScanConfig) -> int:
@@ -110,19 +74,18 @@ def _fresh_state(model: Model, config: ScanConfig, layers: list[int]) -> ScanSta
 
 def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, overwrite: bool = False,
          resume: bool = False, progress: bool = True, unit: str = "document", text_field: str = "text",
-         **settings: Any):
+         backend: str | None = None, **settings: Any):
     """Scan a corpus into a memory atlas and return it opened (:class:`kvmem.atlas.Atlas`).
 
     ``corpus``: anything :func:`kvmem.corpus.open_corpus` accepts. ``settings``: the fields of
     :class:`ScanConfig` (layers, top_k, per_document, max_tokens, window, batch_size, ...).
     ``out``: the atlas directory (None: a temporary directory). An existing ``out`` is refused
     unless ``overwrite``; ``resume`` continues from ``out``'s checkpoint (``checkpoint_every``).
+    ``backend``: the streaming backend (``torch`` or ``numba``; None: ``KVMEM_KERNELS``, else
+    numba on a CPU, see :func:`kvmem.scanning.backends.select_backend`), recorded in the manifest.
     Under ``torchrun`` every rank calls this; rank 0 writes the atlas and returns it, the
     others return None.
     """
-    from kvmem.atlas import open_atlas
-    from kvmem.scanning.writer import write_atlas
-
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
     layers = _check_layers(model, config)
@@ -134,21 +97,20 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     checkpoint = target.with_name(target.name + (f".rank{rank}" if world > 1 else "") + ".checkpoint")
     if target.exists() and not overwrite:
         raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
-    header = _header(model, corpus, config, plan, world)
+    with phases.phase("kernels"):  # numba compiles its kernels once per install (seconds), then loads them
+        engine = select_backend(model.device, backend)
+    header = _header(model, corpus, config, plan, world, engine)
     if resume:
         state = load_state(checkpoint, header, device=model.device)
     else:
         state = _fresh_state(model, config, layers)
 
-    if kernels.compiled_available() and str(model.device).startswith("cpu"):
-        with phases.phase("kernels"):  # numba compiles them once per install (seconds), then loads them
-            kernels.warm_up(model.device)
     with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
         bar.update(state.tokens)
-        _stream(model, corpus, plan, config, state, rank=rank, world=world, bar=bar,
+        _stream(model, corpus, plan, config, state, engine, rank=rank, world=world, bar=bar,
                 checkpoint=(checkpoint, header) if config.checkpoint_every else None)
     for layer_state in state.layer_states.values():
-        close_open_document(layer_state)
+        close_open_document(engine, layer_state)
     if world > 1:
         with phases.phase("gather"):
             state = distributed.gather_states(state, header, rank=rank, world=world, device=model.device)
@@ -159,7 +121,7 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
         raise KvmemError(f"corpus {corpus.spec!r} gave no tokens to scan (empty, or every document empty"
                          f"{' in this shard' if config.shard[1] > 1 else ''}); check the corpus")
     write_atlas(target, model, corpus.describe(), config, plan, state, overwrite=overwrite, phases=phases,
-                world=world, keep_state=config.shard[1] > 1)
+                world=world, keep_state=config.shard[1] > 1, backend=engine.name)
     if checkpoint.exists():
         shutil.rmtree(checkpoint, ignore_errors=True)
     if world > 1:
@@ -168,7 +130,7 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
 
 
 def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "document", text_field: str = "text",
-           **settings: Any) -> ScanState:
+           backend: str | None = None, **settings: Any) -> ScanState:
     """The streaming pass alone (no tables, no files): the per-layer state of a scan.
 
     Same settings as :func:`scan`; used by benchmarks and by code that wants the raw tensors.
@@ -176,9 +138,11 @@ def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "do
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
     state = _fresh_state(model, config, _check_layers(model, config))
+    engine = select_backend(model.device, backend)
     phases = Phases(progress)
     with phases.phase("stream", unit="tok", total=config.max_tokens) as bar:
-        _stream(model, corpus, token_plan(model, config, corpus.unit), config, state, rank=0, world=1, bar=bar, checkpoint=None)
+        _stream(model, corpus, token_plan(model, config, corpus.unit), config, state, engine, rank=0, world=1,
+                bar=bar, checkpoint=None)
     return state
 
 
@@ -188,25 +152,29 @@ def _stream_total(config: ScanConfig, world: int) -> int | None:
     return config.max_tokens // (config.shard[1] * world) if config.shard[1] * world > 1 else config.max_tokens
 
 
-def _header(model: Model, corpus: Corpus, config: ScanConfig, plan: TokenPlan, world: int) -> dict:
+def _header(model: Model, corpus: Corpus, config: ScanConfig, plan: TokenPlan, world: int, backend: Backend) -> dict:
     """What a checkpoint (or a rank's state) must agree on to be continued or merged."""
     return {"config": config.resume_key(), "model": model.fingerprint, "corpus": corpus.describe(),
-            "plan": plan.to_dict(), "world": world}
+            "plan": plan.to_dict(), "world": world, "device": str(model.device),
+            "dtype": str(model.dtype).removeprefix("torch."), "backend": backend.name}
 
 
-def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, state: ScanState, *, rank: int,
-            world: int, bar, checkpoint: tuple[Path, dict] | None) -> None:
+def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, state: ScanState, backend: Backend, *,
+            rank: int, world: int, bar, checkpoint: tuple[Path, dict] | None) -> None:
     started = time.perf_counter() - state.seconds
     last_checkpoint = state.tokens
-    for item in iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world):
-        if isinstance(item, int):  # a block boundary: the state is whole here
-            if checkpoint is not None and state.tokens - last_checkpoint >= config.checkpoint_every:
-                state.seconds = time.perf_counter() - started
-                save_state(checkpoint[0], state, checkpoint[1])
-                last_checkpoint = state.tokens
-            continue
-        _run_batch(model, item, plan, config, state)
-        bar.update(item.tokens)
+
+    def on_block_end(block: int) -> None:  # the state is whole here
+        nonlocal last_checkpoint
+        if checkpoint is not None and state.tokens - last_checkpoint >= config.checkpoint_every:
+            state.seconds = time.perf_counter() - started
+            save_state(checkpoint[0], state, checkpoint[1])
+            last_checkpoint = state.tokens
+
+    for batch in iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world,
+                                 on_block_end=on_block_end):
+        _run_batch(model, batch, plan, config, state, backend)
+        bar.update(batch.tokens)
         if state.batches % 16 == 0:
             _release_freed_memory()
         if state.texts.needs_gc():
@@ -232,46 +200,12 @@ def _release_freed_memory() -> None:
 _MALLOC_TRIM = None
 
 
-def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState) -> None:
+def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState,
+               backend: Backend) -> None:
     """One forward over a batch of windows, right-padded; only real tokens are scored."""
-    device = model.device
-    offset = plan.offset
-    lengths = [len(w.tokens) for w in batch.windows]
-    width = max(lengths) + offset
-    ids = torch.zeros((len(batch.windows), width), dtype=torch.int64)  # [batch, pos]; padding id 0 is never scored
-    for row, w in enumerate(batch.windows):
-        ids[row, :offset + lengths[row]] = torch.tensor(plan.model_input(w.tokens))
-    lengths_t = torch.tensor(lengths)
-    valid = torch.arange(width)[None, :] - offset < lengths_t[:, None]
-    valid[:, :offset] = False
-    flat = valid.view(-1).nonzero().squeeze(1).to(device)  # [N] scored positions, in reading order
-    window_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)  # [N]
-    first_row = torch.cumsum(lengths_t, 0) - lengths_t  # flat index of each window's first token
-    starts = torch.tensor([w.start for w in batch.windows])
-    docs_w = torch.tensor([w.doc for w in batch.windows])
-    positions = starts[window_of] + torch.arange(len(window_of)) - first_row[window_of]
-    doc_of = docs_w[window_of].to(device)  # [N], each document's rows contiguous
-    codes = pack(doc_of, positions.to(device))  # [N], increasing when batch.ordered
-    low = first_row[window_of].to(device)  # [N] first flat row of each row's window
-    high = (first_row + lengths_t)[window_of].to(device)
-    steps = torch.arange(-config.context_before, config.context_after + 1, device=device)
-    n_rows = len(window_of)
-    with_context = config.context_activations
-    keys = position_keys(codes, config.seed) if config.random_samples or config.bin_samples else None
-
-    def on_coefficients(layer: int, coefficients: torch.Tensor) -> None:
-        acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, flat).float()  # [N, d_ff]
-
-        def context_fn(rows: torch.Tensor, neurons: torch.Tensor) -> torch.Tensor:
-            if not with_context:
-                return torch.empty((rows.numel(), 0), dtype=torch.float32, device=device)
-            return window_context(acts, rows, neurons, steps, low, high)
-
-        update(state.layer_states[layer], acts, codes, context_fn, docs=doc_of, keys=keys, ordered=batch.ordered)
-
-    capture_coefficients(model, ids, state.layers, on_coefficients)
-    state.texts.add(batch.windows)
-    state.tokens += n_rows
-    state.windows += len(batch.windows)
-    state.batches += 1
-
+    rows = BatchRows.build(batch, plan, context_before=config.context_before, context_after=config.context_after,
+                           seed=config.seed, samples=bool(config.random_samples or config.bin_samples),
+                           device=model.device)
+    step = BatchStep(backend, state, rows, with_context=config.context_activations, index=state.batches)
+    capture_coefficients(model, rows.ids, state.layers, step.layer)
+    step.finish()

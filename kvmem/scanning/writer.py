@@ -16,12 +16,12 @@ from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.manifest import Manifest
 from kvmem.models import Model
 from kvmem.plan import TokenPlan, pack, unpack
-from kvmem.scanning.accumulator import LayerState
 from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection import cached_projection_files
+from kvmem.scanning.state import LayerState, ScanState
 from kvmem.scanning.texts import trigger_texts
 from kvmem.schema import FORMAT_VERSION, TRIGGER_KINDS, conform
 
@@ -31,9 +31,11 @@ __all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "hi
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
 
 
-def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, *,
-                overwrite: bool, phases, world: int = 1, keep_state: bool = False, run: dict | None = None) -> None:
-    """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last."""
+def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, *,
+                overwrite: bool, phases, backend: str, world: int = 1, keep_state: bool = False,
+                run: dict | None = None) -> None:
+    """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last.
+    ``backend``: the name of the streaming backend that produced the state."""
     layers = state.layers
     with phases.phase("texts", total=3) as bar:
         triggers = triggers_table(state)
@@ -54,7 +56,7 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                   "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
                   "world_size": world, "batches": state.batches, "shard": list(config.shard),
                   "projections_cached": projections["cached"], **(run or {})}
-        return build_manifest(model, corpus, config, plan, state, timing)
+        return build_manifest(model, corpus, config, plan, state, timing, backend=backend)
 
     with phases.phase("write", total=len(tables) + 2) as bar:
         write_tables(target, tables, manifest, overwrite=overwrite, copy=projections["files"], bar=bar,
@@ -273,7 +275,8 @@ def samples_table(state) -> pa.Table | None:
     })
 
 
-def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state, timing: dict) -> Manifest:
+def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, timing: dict,
+                   *, backend: str) -> Manifest:
     """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned."""
     import torch
     import transformer_lens
@@ -303,6 +306,7 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
                        else config.conventions[0], "top_n": config.top_n,
                     "keys": "score = W_E[token] . k (input embedding, no norm)"},
         timing=timing,
+        engine={"backend": backend, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
         environment={"torch": torch.__version__, "transformers": transformers.__version__,
                      "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
                      "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},

@@ -1,8 +1,10 @@
-"""The numba kernels of :mod:`kvmem.scanning.kernels` (imported only where numba is installed).
+"""The numba kernels of :mod:`kvmem.scanning.backends.numba_backend` (imported only where numba is installed).
 
 Module-level functions, so that numba caches them on disk (kernels that call other compiled
-functions held in closures are compiled again in every process). Shapes and meaning: see the
-wrappers in kvmem/scanning/kernels.py.
+functions held in closures are compiled again in every process). The bin and the key are the
+rules' own functions, compiled here unchanged. numba's cache is keyed by this file: after a
+change to :mod:`kvmem.scanning.histogram` or :mod:`kvmem.scanning.rules`, touch this file.
+Shapes and meaning: see the wrappers in :mod:`kvmem.scanning.backends.numba_backend`.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kvmem.scanning.histogram import _CODE_LOW, HIST_BINS, N_MAGNITUDE
-from kvmem.scanning.sampling import _NO_KEY, KEY_BITS
+from kvmem.scanning.histogram import HIST_BINS, bin_of_code
+from kvmem.scanning.rules import key_of
 
-_M0 = _CODE_LOW - 1  # magnitude code at or below which the magnitude bin is 0
-_LAST_BIN = N_MAGNITUDE - 1  # the last magnitude bin
+__all__ = ["statistics", "side_insert", "document_insert", "bin_insert"]
+
 _STRIP = 128  # neurons per strip: one strip's histogram (64 x 128 int32) stays in L1
+_bin = numba.njit(inline="always")(bin_of_code)
+_key = numba.njit(inline="always")(key_of)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -47,9 +51,7 @@ def statistics(acts, rows_per_block, histogram, positive, total, total_sq, low, 
                     above[i] += 1 if v > 0 else 0
                 code = bits[r, f0:f1]
                 for i in range(w):
-                    t = code[i] >> 22  # sign, exponent and first mantissa bit (arithmetic shift)
-                    j = min(max((t & 0x1FF) - _M0, 0), _LAST_BIN)  # magnitude bin
-                    place[i] = (N_MAGNITUDE + (j ^ (t >> 31))) * _STRIP + i  # j ^ -1 = -1 - j for v < 0
+                    place[i] = _bin(code[i] >> 22) * _STRIP + i  # sign, exponent and first mantissa bit
                 for i in range(w):
                     counts[place[i]] += 1
             low[block, f0:f1] = lo
@@ -63,7 +65,7 @@ def statistics(acts, rows_per_block, histogram, positive, total, total_sq, low, 
 
 
 @numba.njit(inline="always")
-def insert(values, kept, slots, entered, f, v, c, mark, largest, ordered):  # pragma: no cover - compiled
+def _insert(values, kept, slots, entered, f, v, c, mark, largest, ordered):  # pragma: no cover - compiled
     """Insert (v, c) into column f of a side if it enters: it beats the k-th value, or (out of
     order) ties it with a lower code. ``mark`` goes into ``entered`` at its rank."""
     k = values.shape[0]
@@ -96,7 +98,7 @@ def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, ente
             if not ((e > kth if largest else e < kth) or (not ordered and e == kth)):
                 continue
             for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
-                insert(values, kept, slots, entered, f, acts[r, f], codes[r], r, largest, ordered)
+                _insert(values, kept, slots, entered, f, acts[r, f], codes[r], r, largest, ordered)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -118,25 +120,9 @@ def document_insert(acts, codes, starts, lengths, open_value, open_code, continu
             if d == 0 and continues and not (best > open_value[f] if largest else best < open_value[f]):
                 best, code, row = open_value[f], open_code[f], -2  # the earlier best stays (lower code)
             if d < documents - 1:
-                insert(values, kept, slots, entered, f, best, code, row, largest, ordered)
+                _insert(values, kept, slots, entered, f, best, code, row, largest, ordered)
             else:
                 last_value[f], last_code[f], last_row[f] = best, code, row
-
-
-_EMPTY_KEY = np.int64(_NO_KEY)
-_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_DROP = np.uint64(64 - KEY_BITS)
-
-
-@numba.njit(inline="always")
-def key_of(code, salt):  # pragma: no cover - compiled; position_keys of one code (_NO_KEY when empty)
-    if code < 0:
-        return _EMPTY_KEY
-    x = (np.uint64(code) ^ salt) + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    x = x ^ (x >> np.uint64(31))
-    return np.int64(x >> _DROP)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -150,8 +136,7 @@ def bin_insert(acts, rows, row_keys, row_codes, codes, values, last, salt):  # p
         for i in range(rows.shape[0]):
             key, c, code = row_keys[i], row_codes[i], bits[rows[i], f0:f0 + w]
             for j in range(w):  # each neuron's bin, and whether the key is under that bin's q-th (a first cut)
-                t = code[j] >> 22
-                b = N_MAGNITUDE + (min(max((t & 0x1FF) - _M0, 0), _LAST_BIN) ^ (t >> 31))
+                b = _bin(code[j] >> 22)
                 cell[j] = b if key <= last[b, f0 + j] else -1
             for j in range(w):
                 b = cell[j]
@@ -164,10 +149,10 @@ def bin_insert(acts, rows, row_keys, row_codes, codes, values, last, salt):  # p
                 while p > 0:
                     ahead_code = codes[f, b, p - 1]
                     if ahead_code >= 0:
-                        ahead = key_of(ahead_code, salt)
+                        ahead = _key(ahead_code, salt)
                         if ahead < key or (ahead == key and ahead_code < c):
                             break
                     codes[f, b, p], values[f, b, p] = ahead_code, values[f, b, p - 1]
                     p -= 1
                 codes[f, b, p], values[f, b, p] = c, acts[rows[i], f]
-                last[b, f] = key_of(codes[f, b, q - 1], salt)
+                last[b, f] = _key(codes[f, b, q - 1], salt)

@@ -1,0 +1,205 @@
+"""Scan a fixed set of settings on both streaming backends, and compare two such sets file by file.
+
+Used to show that a change to the scan engine leaves every table byte-identical:
+
+    python benchmarks/compare_atlases.py scan BEFORE        # on the old code
+    python benchmarks/compare_atlases.py scan AFTER --models BEFORE/models   # on the new code
+    python benchmarks/compare_atlases.py compare BEFORE AFTER
+
+Each setting is scanned in a fresh process per backend, chosen by ``KVMEM_KERNELS`` (``numba``:
+the compiled CPU kernels, ``torch``: the torch path a GPU runs). ``compare`` checks every
+parquet file (and any other file, e.g. a shard's kept state) for equal bytes, and where bytes
+differ, reports whether the Arrow tables are equal; manifests are compared as JSON without the
+timing and without the fields only one side has (printed). A shard's kept state is compared by
+content: every tensor exactly, and its JSON without the save's random generation tag, its
+streaming seconds and the fields only one side has (printed). Exit status 1 if anything differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BACKENDS = ("numba", "torch")
+
+# name -> (model, corpus, settings): tiny random-init models (tests/conftest.py's shapes) and SmolLM2
+SETTINGS: dict[str, tuple[str, str, dict]] = {
+    "gpt2-sorted": ("tiny-gpt2", "pydoc", dict(max_tokens=3000, window=64, batch_size=4, per_document=True)),
+    "gpt2-ordered": ("tiny-gpt2", "pydoc", dict(max_tokens=3000, window=64, batch_size=4, per_document=True,
+                                                 sort_by_length=False, top_k=7)),
+    "gpt2-shard": ("tiny-gpt2", "pydoc", dict(max_tokens=3000, window=64, batch_size=4, per_document=True,
+                                              shard=(1, 2), block_documents=8)),
+    "llama-sorted": ("tiny-llama", "pydoc", dict(max_tokens=3000, window=64, batch_size=4, per_document=True)),
+    "smollm2": ("smollm2-135m", "pydoc", dict(max_tokens=4000, per_document=True)),
+}
+
+
+def model_dir(name: str, models: Path) -> str:
+    """The model to load for a setting's model name (tiny models built once under ``models``)."""
+    if name == "tiny-gpt2":
+        from kvmem.builtin import gpt2_random_dir
+
+        return str(gpt2_random_dir(n_layer=2, n_embd=64, n_head=4, n_positions=128))
+    if name == "tiny-llama":
+        path = models / "tiny-llama"
+        if not path.exists():
+            import torch
+            from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
+
+            from kvmem.builtin import gpt2_tokenizer_dir
+
+            tokenizer = GPT2TokenizerFast.from_pretrained(gpt2_tokenizer_dir())
+            config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128)
+            torch.manual_seed(1)
+            model = LlamaForCausalLM(config)
+            with torch.no_grad():
+                for parameter_name, parameter in model.named_parameters():
+                    if "norm" in parameter_name:
+                        parameter.uniform_(0.5, 1.5)
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return str(path)
+    return name
+
+
+def scan_one(setting: str, out: Path, models: Path) -> None:
+    import kvmem
+
+    model_name, corpus, settings = SETTINGS[setting]
+    model = kvmem.load_model(model_dir(model_name, models), device="cpu")
+    kvmem.scan(model, corpus, out=out, overwrite=True, progress=False, **settings)
+
+
+def scan_all(root: Path, models: Path, only: list[str] | None) -> None:
+    models.mkdir(parents=True, exist_ok=True)
+    for setting in only or SETTINGS:
+        for backend in BACKENDS:
+            target = root / f"{setting}-{backend}"
+            env = {**os.environ, "KVMEM_KERNELS": backend}
+            subprocess.run([sys.executable, __file__, "_one", setting, str(target), "--models", str(models)],
+                           env=env, check=True)
+            print(f"scanned {target.name}", flush=True)
+
+
+def _manifest_view(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    data.pop("timing", None)
+    return data
+
+
+def _flatten(data, prefix: str = "") -> dict:
+    if isinstance(data, dict):
+        out = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def _compare_state(left: Path, right: Path) -> str:
+    """'' when equal by content, 'same content; ...' when equal but for fields on one side, else what differs."""
+    if left.suffix == ".safetensors":
+        import torch
+        from safetensors.torch import load_file
+
+        x, y = load_file(left), load_file(right)
+        if x.keys() != y.keys():
+            return f"DIFFERS: tensors {sorted(x.keys() ^ y.keys())}"
+
+        def same_bits(a, b) -> bool:  # NaN == NaN, -0.0 != 0.0
+            return a.dtype == b.dtype and a.shape == b.shape and a.reshape(-1).view(torch.uint8).equal(
+                b.reshape(-1).view(torch.uint8))
+
+        bad = [name for name in x if not same_bits(x[name], y[name])]
+        return f"DIFFERS: tensors {bad}" if bad else ""
+    x, y = (_flatten({k: v for k, v in json.loads(p.read_text()).items() if k not in ("generation", "seconds")})
+            for p in (left, right))
+    changed = sorted(k for k in x.keys() & y.keys() if x[k] != y[k])
+    if changed:
+        return f"DIFFERS at {changed}"
+    only = sorted(x.keys() ^ y.keys())
+    return ("same content; fields on one side only: " + ", ".join(f"{k}={(x | y)[k]!r}" for k in only)) if only else ""
+
+
+def compare(a: Path, b: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    same = True
+    for atlas in sorted(p for p in a.iterdir() if p.is_dir() and p.name != "models"):
+        other = b / atlas.name
+        if not other.exists():
+            print(f"{atlas.name}: missing in {b.name}")
+            same = False
+            continue
+        files = sorted({p.relative_to(atlas) for p in atlas.rglob("*") if p.is_file()}
+                       | {p.relative_to(other) for p in other.rglob("*") if p.is_file()})
+        equal, notes = 0, []
+        for rel in files:
+            left, right = atlas / rel, other / rel
+            if rel.name == "manifest.json":
+                x, y = _flatten(_manifest_view(left)), _flatten(_manifest_view(right))
+                changed = sorted(k for k in x.keys() & y.keys() if x[k] != y[k])
+                only = sorted(x.keys() ^ y.keys())
+                if changed:
+                    notes.append(f"manifest differs at {changed}")
+                    same = False
+                if only:
+                    notes.append("manifest fields on one side only: "
+                                 + ", ".join(f"{k}={(x | y)[k]!r}" for k in only))
+                continue
+            if rel.name in ("state.json", "state.safetensors") and left.exists() and right.exists():
+                problem = _compare_state(left, right)
+                if problem:
+                    notes.append(f"{rel}: {problem}")
+                    same = same and problem.startswith("same")
+                else:
+                    equal += 1
+                continue
+            if not (left.exists() and right.exists()):
+                notes.append(f"{rel}: only in {'before' if left.exists() else 'after'}")
+                same = False
+            elif left.read_bytes() == right.read_bytes():
+                equal += 1
+            elif rel.suffix == ".parquet" and pq.read_table(left).equals(pq.read_table(right)):
+                notes.append(f"{rel}: bytes differ, Arrow tables equal")
+                same = False
+            else:
+                notes.append(f"{rel}: DIFFERS")
+                same = False
+        print(f"{atlas.name}: {equal}/{len(files) - 1} files equal (tables byte for byte, a kept state by content)" + "".join(f"\n  {n}" for n in notes))
+    return same
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    scan = sub.add_parser("scan", help="scan every setting on both backends into DIR/<setting>-<backend>")
+    scan.add_argument("root", type=Path)
+    scan.add_argument("--models", type=Path, help="where the tiny Llama is built (default DIR/models)")
+    scan.add_argument("--only", help="comma-separated settings (default all: " + ", ".join(SETTINGS) + ")")
+    one = sub.add_parser("_one")
+    one.add_argument("setting")
+    one.add_argument("out", type=Path)
+    one.add_argument("--models", type=Path, required=True)
+    cmp = sub.add_parser("compare", help="compare two directories written by 'scan'")
+    cmp.add_argument("before", type=Path)
+    cmp.add_argument("after", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "scan":
+        scan_all(args.root, args.models or args.root / "models", args.only.split(",") if args.only else None)
+        return 0
+    if args.command == "_one":
+        scan_one(args.setting, args.out, args.models)
+        return 0
+    return 0 if compare(args.before, args.after) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

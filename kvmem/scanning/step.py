@@ -1,0 +1,198 @@
+"""One batch into the scan's state: the per-batch logic every backend shares.
+
+:class:`BatchRows` lays a batch of windows out as the model's input and the flat list of its
+scored positions (codes, documents, window bounds, sampling keys); :class:`BatchStep` folds each
+layer's coefficients into that layer's :class:`~kvmem.scanning.state.LayerState` with the scan's
+backend (:func:`fold_batch`), and :meth:`BatchStep.finish` applies the non-finite rule.
+
+**Non-finite coefficients are refused.** A coefficient that is NaN or ±inf (a float16 overflow)
+stops the scan with one line that names the layer and the batch and suggests float32 or
+bfloat16; nothing is written. Both backends apply the rule the same way: a batch's Σm [F], which
+each backend computes anyway, is finite exactly when every coefficient is (finite float32
+values cannot overflow a float64 sum; the torch backend's float32 blocks of 32 rows overflow only
+past |m| ~ 1e37). The flags of all layers are read back once per batch, after the forward, so the
+check costs one host synchronisation per batch, not one per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvmem.errors import KvmemError
+from kvmem.plan import Batch, TokenPlan, pack
+from kvmem.scanning.backends import Backend, ContextFn
+from kvmem.scanning.rules import EMPTY, position_keys
+from kvmem.scanning.state import LayerState, ScanState, add_into
+
+__all__ = ["BatchRows", "BatchStep", "fold_batch", "close_open_document", "window_context"]
+
+
+def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor, end: Tensor) -> Tensor:
+    """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps`` -> [c, len(steps)] float32,
+    NaN where that row lies outside the row's window (``first[row] <= row + step < end[row]``).
+
+    acts [N, F]; rows, neurons [c]; steps [C]; first, end [N] each row's window bounds in acts.
+    (A flat ``index_select``: advanced indexing of acts costs several times as much.)
+    """
+    n, d_ff = acts.shape
+    around = rows[:, None] + steps[None, :]  # [c, C]
+    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
+    flat = around.clamp_(0, n - 1).mul_(d_ff).add_(neurons[:, None])
+    got = acts.view(-1).index_select(0, flat.view(-1)).view(flat.shape)
+    return got.masked_fill_(~inside, float("nan"))
+
+
+@torch.inference_mode()  # no autograd; pools written in and out of the forward alike
+def fold_batch(backend: Backend, state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *,
+               docs: Tensor | None = None, keys: Tensor | None = None, ordered: bool = True) -> Tensor | None:
+    """Fold one batch of one layer's coefficients into its state -> a 0-dim bool tensor on the
+    state's device: whether every coefficient was finite (None for an empty batch). Not read here,
+    so the caller can check every layer with one synchronisation (:meth:`BatchStep.finish`).
+
+    acts [N, F], the scored positions in reading order; codes [N] int64; ``ordered``: codes
+    increase along the batch and exceed every code folded in before (the fast path); context_fn
+    gives each candidate's context coefficients; docs [N] document indices (each document's rows
+    contiguous and in position order; needed only with per_document); keys [N] the positions'
+    sampling keys (:func:`kvmem.scanning.rules.position_keys`; needed only with samples).
+    """
+    if acts.shape[0] == 0:
+        return None
+    acts = acts.float()
+    statistics = backend.statistics(acts, state.histogram, state.positive)  # one read of the batch
+    backend.stream_side(state.top, acts, codes, context_fn, ordered, statistics.high)
+    backend.stream_side(state.bottom, acts, codes, context_fn, ordered, statistics.low)
+    state.count += acts.shape[0]
+    add_into(state.total, statistics.total)
+    add_into(state.total_sq, statistics.total_sq)
+    if state.doc_top is not None:
+        _fold_documents(backend, state, acts, codes, docs, context_fn, ordered)
+    if state.random is not None:
+        backend.random_sample(state.random, acts, codes, keys, context_fn)
+    if state.bins is not None and state.bins.codes.shape[2]:
+        rows = (keys < state.bins.limit()).nonzero().squeeze(1)  # the thinned positions
+        if rows.numel():
+            backend.bin_sample(state.bins, acts, rows, keys[rows], codes[rows])
+    return torch.isfinite(statistics.total).all()
+
+
+def _fold_documents(backend: Backend, state: LayerState, acts: Tensor, codes: Tensor, docs: Tensor,
+                    context_fn: ContextFn, ordered: bool) -> None:
+    """Fold each document's best position into doc_top / doc_bottom; the batch's last document
+    stays open (its best so far in open_top / open_bottom) in case the next batch continues it."""
+    unique_docs, lengths = torch.unique_consecutive(docs, return_counts=True)
+    starts = lengths.cumsum(0) - lengths
+    continues = state.open_doc == int(unique_docs[0])
+    if not continues and state.open_doc != EMPTY:  # the open document ended with the previous batch
+        close_open_document(backend, state)
+    state.open_doc = int(unique_docs[-1])
+    pairs = [(state.doc_top, state.open_top if continues else None),
+             (state.doc_bottom, state.open_bottom if continues else None)]
+    state.open_top, state.open_bottom = backend.fold_documents(pairs, acts, codes, starts, lengths, context_fn,
+                                                               ordered)
+
+
+@torch.inference_mode()
+def close_open_document(backend: Backend, state: LayerState) -> None:
+    """Move the open document's best into the per-document top-k (when it ends, and at the end of a stream)."""
+    if state.doc_top is None or state.open_doc == EMPTY:
+        return
+    # the open document's code need not exceed the kept ones' (length-sorted batches): sort fully
+    for side, open_side in ((state.doc_top, state.open_top), (state.doc_bottom, state.open_bottom)):
+        context = open_side.context  # [1, F, C]
+        backend.fold_entries(side, open_side.values, open_side.codes, lambda r, n, x=context: x[r, n], ordered=False)
+    state.open_doc = EMPTY
+    state.open_top = state.open_bottom = None
+
+
+@dataclass
+class BatchRows:
+    """A batch laid out for one forward: ``ids`` [B, P] the model's input (windows right-padded,
+    padding id 0 is never scored), and per scored position, in reading order (N of them):
+    ``flat`` [N] its index in ids.view(-1), ``codes`` [N], ``docs`` [N] (each document's rows
+    contiguous), ``low``/``high`` [N] the flat rows bounding its window, ``keys`` [N] sampling keys
+    (None without samples); ``steps`` [C] the context offsets around a trigger."""
+
+    batch: Batch
+    ids: Tensor
+    flat: Tensor
+    codes: Tensor
+    docs: Tensor
+    low: Tensor
+    high: Tensor
+    keys: Tensor | None
+    steps: Tensor
+
+    @classmethod
+    def build(cls, batch: Batch, plan: TokenPlan, *, context_before: int, context_after: int, seed: int,
+              samples: bool, device) -> BatchRows:
+        offset = plan.offset
+        lengths = [len(w.tokens) for w in batch.windows]
+        width = max(lengths) + offset
+        ids = torch.zeros((len(batch.windows), width), dtype=torch.int64)  # [batch, pos]
+        for row, w in enumerate(batch.windows):
+            ids[row, :offset + lengths[row]] = torch.tensor(plan.model_input(w.tokens))
+        lengths_t = torch.tensor(lengths)
+        valid = torch.arange(width)[None, :] - offset < lengths_t[:, None]
+        valid[:, :offset] = False
+        flat = valid.view(-1).nonzero().squeeze(1).to(device)  # [N] scored positions, in reading order
+        window_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)  # [N]
+        first_row = torch.cumsum(lengths_t, 0) - lengths_t  # flat index of each window's first token
+        starts = torch.tensor([w.start for w in batch.windows])
+        docs_w = torch.tensor([w.doc for w in batch.windows])
+        positions = starts[window_of] + torch.arange(len(window_of)) - first_row[window_of]
+        docs = docs_w[window_of].to(device)
+        codes = pack(docs, positions.to(device))  # [N], increasing when batch.ordered
+        low = first_row[window_of].to(device)
+        high = (first_row + lengths_t)[window_of].to(device)
+        steps = torch.arange(-context_before, context_after + 1, device=device)
+        keys = position_keys(codes, seed) if samples else None
+        return cls(batch, ids, flat, codes, docs, low, high, keys, steps)
+
+    @property
+    def count(self) -> int:
+        return self.flat.numel()
+
+
+class BatchStep:
+    """Fold one batch's coefficients, layer by layer as the forward produces them, into ``state``
+    (its ``index``-th batch); then :meth:`finish`."""
+
+    def __init__(self, backend: Backend, state: ScanState, rows: BatchRows, *, with_context: bool, index: int):
+        self.backend, self.state, self.rows, self.with_context, self.index = backend, state, rows, with_context, index
+        self.finite: list[tuple[int, Tensor]] = []
+
+    def layer(self, layer: int, coefficients: Tensor) -> None:
+        """coefficients [B, P, F] of ``layer`` (any float dtype) -> folded into its state."""
+        rows = self.rows
+        acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, rows.flat).float()  # [N, F]
+
+        def context_fn(at: Tensor, neurons: Tensor) -> Tensor:
+            if not self.with_context:
+                return torch.empty((at.numel(), 0), dtype=torch.float32, device=acts.device)
+            return window_context(acts, at, neurons, rows.steps, rows.low, rows.high)
+
+        finite = fold_batch(self.backend, self.state.layer_states[layer], acts, rows.codes, context_fn,
+                            docs=rows.docs, keys=rows.keys, ordered=rows.batch.ordered)
+        if finite is not None:
+            self.finite.append((layer, finite))
+
+    def finish(self) -> None:
+        """Apply the non-finite rule (one synchronisation) and count the batch into the state."""
+        if self.finite:
+            ok = torch.stack([flag for _, flag in self.finite]).cpu()
+            if not bool(ok.all()):
+                layer = self.finite[int((~ok).nonzero()[0])][0]
+                windows = self.rows.batch.windows
+                raise KvmemError(
+                    f"layer {layer} gave non-finite coefficients (NaN or ±inf) in batch {self.index} "
+                    f"(documents {windows[0].doc_id!r} .. {windows[-1].doc_id!r}); kvmem refuses them rather "
+                    f"than count them wrongly: scan in float32 or bfloat16 (--dtype float32), whose range "
+                    f"does not overflow")
+        batch = self.rows.batch
+        self.state.texts.add(batch.windows)
+        self.state.tokens += self.rows.count
+        self.state.windows += len(batch.windows)
+        self.state.batches += 1
