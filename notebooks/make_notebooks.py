@@ -235,7 +235,6 @@ for index in (html_index, md_index, json_index):
 import numpy as np
 import pandas as pd
 
-
 layer, neuron = neurons[0]
 data = json.loads((OUT / "json" / f"L{layer}_N{neuron}.json").read_text())
 print(data["schema"], data["provenance"]["model"], data["provenance"]["convention"])
@@ -245,7 +244,7 @@ stored = atlas.triggers(layer, neuron, kind="top")
 np.testing.assert_allclose(triggers.activation, stored.activation, rtol=1e-6)
 assert triggers.context.tolist() == stored.context.tolist()
 page = html_index.read_text()
-assert all(f"L{l}_N{n}.html" in page for l, n in neurons)
+assert all(f"L{at}_N{n}.html" in page for at, n in neurons)
 triggers[["rank", "activation", "token", "next_token", "context"]].head(5)'''),
         md("Does the value promote the tokens that follow its triggers?"),
         code('''agreement = pd.DataFrame(data["agreement"])
