@@ -184,19 +184,21 @@ def _read_bytes(file: Path) -> bytes:
         raise KvmemError(f"{file}: cannot read it ({error})") from None
 
 
-def _decode(file: Path, data: bytes, line: int | None = None) -> str:
+def _decode(file: Path, data: bytes, where: str | None = None) -> str:
+    """UTF-8 text, or a one-line error naming the file, the record (``where``) and the first bad byte."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        where = f"line {line}, byte {error.start} of the line" if line else f"byte offset {error.start}"
-        raise KvmemError(f"{file}: bytes at {where} are not valid UTF-8; re-encode the file as UTF-8") from None
+        at = f"{where}, byte {error.start} of it" if where else f"byte offset {error.start}"
+        raise KvmemError(f"{file}: bytes at {at} are not valid UTF-8 ({data[error.start:error.end]!r}); "
+                         f"re-encode the file as UTF-8") from None
 
 
 def _jsonl_records(file: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
     for number, raw in enumerate(_read_bytes(file).split(b"\n"), start=1):
         if not raw.strip():
             continue
-        line = _decode(file, raw, number)
+        line = _decode(file, raw, f"line {number}")
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
@@ -211,6 +213,7 @@ def _jsonl_records(file: Path, name: str, text_field: str) -> Iterator[tuple[str
 
 
 def _parquet_records(file: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -220,11 +223,18 @@ def _parquet_records(file: Path, name: str, text_field: str) -> Iterator[tuple[s
     if text_field not in parquet.schema_arrow.names:
         raise KvmemError(f"{file}: no column {text_field!r}; columns are {parquet.schema_arrow.names}; "
                          f"choose one with text_field= (--text-field)")
+    column_type = parquet.schema_arrow.field(text_field).type
+    as_bytes = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.binary(): pa.binary(),
+                pa.large_binary(): pa.large_binary()}.get(column_type)
+    if as_bytes is None:
+        raise KvmemError(f"{file}: column {text_field!r} holds {column_type}, not text; "
+                         f"choose a text column with text_field= (--text-field)")
     row = 0
     for batch in parquet.iter_batches(columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield f"{name}:{row}", text
+        # read as bytes (a cast that copies nothing) so that invalid UTF-8 is reported with its row
+        for data in batch.column(0).cast(as_bytes).to_pylist():
+            if data is not None:
+                yield f"{name}:{row}", _decode(file, data, f"row {row}")
             row += 1
 
 

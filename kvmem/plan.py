@@ -39,13 +39,39 @@ RULE = ("each document is tokenized alone without special tokens; window k holds
         "first when sort_by_length, stable), as many as fit batch_size * window padded positions")
 
 
+MAX_DOCUMENTS = 1 << 31  # doc << 32 must stay below 2^63 (int64)
+MAX_POSITIONS = 1 << 32  # pos fills the low 32 bits
+
+
 def pack(doc, pos):
-    """(doc, pos) -> int64 code ``doc << 32 | pos`` (ints, numpy arrays or torch tensors)."""
+    """(doc, pos) -> int64 code ``doc << 32 | pos`` (ints, numpy arrays or torch tensors).
+
+    Raises :class:`KvmemError` for a document index outside [0, 2^31) or a position outside [0, 2^32),
+    which would otherwise wrap around into another document's codes.
+    """
+    _check_packable(doc, pos)
     if hasattr(doc, "to"):  # torch
         import torch
 
         return (doc.to(torch.int64) << 32) | pos.to(torch.int64)
     return (doc << 32) | pos
+
+
+def _check_packable(doc, pos) -> None:
+    for name, value, limit, fix in (
+            ("document index", doc, MAX_DOCUMENTS, "scan fewer documents at once (a coarser --unit, or the "
+                                                   "corpus in parts)"),
+            ("token position", pos, MAX_POSITIONS, "split the document")):
+        size = getattr(value, "size", None)
+        if callable(getattr(value, "numel", None)):
+            size = value.numel()
+        if size == 0:
+            continue
+        low, high = (int(value.min()), int(value.max())) if size is not None else (int(value), int(value))
+        if low < 0 or high >= limit:
+            bad = low if low < 0 else high
+            raise KvmemError(f"{name} {bad:,} is outside [0, {limit:,}), the range a (doc, pos) code packs "
+                             f"(doc << 32 | pos); {fix}")
 
 
 def unpack(code):

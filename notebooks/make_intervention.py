@@ -152,6 +152,8 @@ for prompt in prompts:
     rows.append({"prompt": prompt, "target_mass_before": mass_before, "target_mass_after": mass_after,
                  "top_before": top_before, "top_after": top_after})
 shift = pd.DataFrame(rows)
+# the finding: switching on values that promote the concept raises the probability of its words, for every prompt
+assert (shift.target_mass_after > shift.target_mass_before).all(), shift
 shift.round(3)
 """)
 
@@ -164,6 +166,8 @@ curve = pd.DataFrame(
     {f"m = {scale * coefficient:.2g}": [next_token(p, edits_for(scale))[0] for p in curve_prompts] for scale in scales},
     index=curve_prompts,
 )
+# a stronger coefficient pushes further: the mass rises from m = 0 to the full coefficient
+assert (curve.iloc[:, -1] > curve.iloc[:, 0]).all(), curve
 curve.round(3)
 """)
 
@@ -199,6 +203,10 @@ with intervene(model, edits_for(0.5)):
 print(traced.attrs["final_token"], "| convention:", traced.attrs["convention"])
 display(traced.layers.tail(6)[["layer", "top_before", "top_after", "changed", "final_prob_after"]])
 edited = traced.sub_updates.merge(chosen[["layer", "neuron", "promotes"]], on=["layer", "neuron"])
+# the tracer sees the edited coefficients: each switched-on neuron has m = sign * coefficient / 2 at the last position
+expected = edited.merge(chosen[["layer", "neuron", "sign"]], on=["layer", "neuron"])
+assert len(expected) == len(chosen)
+assert ((expected.coefficient - expected.sign * coefficient * 0.5).abs() < 1e-4 * coefficient).all()
 edited[["layer", "neuron", "rank", "coefficient", "weight_share", "final_token_logit", "promotes"]].round(3)
 """)
 

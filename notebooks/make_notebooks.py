@@ -72,7 +72,42 @@ top'''),
 record = atlas.neuron(layer, neuron)
 print(record)'''),
         code('''atlas.triggers(layer, neuron, kind="top")[["activation", "token", "next_token", "context"]].head(5)'''),
+        md("""
+Check it yourself: recompute the top trigger's coefficient with a plain forward of the model and a torch
+hook on the down projection (whose input is the coefficient vector), on exactly the window the scan read
+(`atlas.manifest.tokenization` states the rule: the document tokenized alone, windows of `window` tokens,
+BOS first).
+"""),
+        code('''import torch
+
+from kvmem.corpus import open_corpus
+
+trigger = atlas.triggers(layer, neuron, kind="top").iloc[0]
+rule = atlas.manifest.tokenization
+document = next(d for d in open_corpus("pydoc") if d.index == trigger.doc)
+ids = model.tokenizer(document.text, add_special_tokens=False)["input_ids"]
+start = trigger.pos - trigger.pos % rule["window"]
+window = ([rule["bos_token_id"]] if rule["prepend_bos"] else []) + ids[start:start + rule["window"]]
+spec = model.spec
+down = model.hf_model.get_submodule(f"{spec.layers}.{layer}.{spec.mlp}.{spec.value}")
+down = getattr(down, "original_component", down)  # the HF module itself
+seen = {}
+handle = down.register_forward_pre_hook(lambda module, args: seen.setdefault("m", args[0][0].detach()))
+try:
+    with torch.no_grad():
+        model.hf_model(torch.tensor([window]))
+finally:
+    handle.remove()
+recomputed = float(seen["m"][trigger.pos - start + int(rule["prepend_bos"]), neuron])
+print(f"stored {trigger.activation:.5f}, recomputed {recomputed:.5f}, token {model.token_str(ids[trigger.pos])!r}")
+assert ids[trigger.pos] == trigger.token_id
+assert abs(recomputed - trigger.activation) <= 1e-3 * max(1.0, abs(trigger.activation))'''),
         code('''atlas.values(layer, neuron, convention="final_norm", kind="promote")[["rank", "token", "score"]].head(8)'''),
+        code('''# the same list from the weights alone: W_U^T (gain * v) for SmolLM2's RMSNorm (final_norm convention)
+v = model.values(layer)[neuron]  # [d_model]
+scores = (v * model.final_norm().gain) @ model.unembedding()  # [vocab]
+promoted = atlas.values(layer, neuron, convention="final_norm", kind="promote")
+assert promoted.token_id.tolist()[:5] == scores.topk(5).indices.tolist()'''),
         md("## Which neurons promote a token? (`tokenizer=` resolves the string to its single token)"),
         code('''atlas.top_neurons(token=" the", by="value", k=5, tokenizer=model.tokenizer)'''),
         md("## Plots: the per-layer picture and one neuron's coefficient histogram"),
@@ -128,6 +163,15 @@ last = LAYERS[-1]
 for neuron in (0, 1, 2):
     print(f"L{last}/{neuron}")
     print(side_by_side(last, neuron).to_string(), "\\n")'''),
+        md("The stored lists are the weights' own: recompute both conventions for those neurons from `W_U` and `v`."),
+        code('''W_U = model.unembedding()  # [d_model, vocab]
+gain = model.final_norm().gain  # RMSNorm: the final norm's linear part is the gain
+for neuron in (0, 1, 2):
+    v = model.values(last)[neuron]  # [d_model]
+    for convention, vector in (("raw", v), ("final_norm", v * gain)):
+        stored = atlas.values(last, neuron, convention=convention, kind="promote").sort_values("rank")
+        assert stored.token_id.tolist()[:10] == (vector @ W_U).topk(10).indices.tolist(), (neuron, convention)
+print("raw and final_norm lists recomputed from the weights")'''),
         md("## Across whole layers: overlap of the top-20 promoted tokens"),
         code('''promote = values[values.kind == "promote"]
 sets = promote.groupby(["layer", "neuron", "convention"]).token_id.agg(frozenset).unstack("convention")
@@ -138,6 +182,8 @@ overlap = pd.DataFrame({
 }, index=sets.index)
 summary = overlap.groupby("layer").agg(mean_shared=("shared of 20", "mean"), median_shared=("shared of 20", "median"),
                                        same_top_token=("same top token", "mean"))
+# the finding: the conventions disagree on many neurons (SmolLM2's final-norm gain is far from uniform)
+assert (overlap["shared of 20"] < 20).mean() > 0.5 and summary.same_top_token.max() < 1
 summary'''),
         code('''import matplotlib.pyplot as plt
 
@@ -186,14 +232,24 @@ for index in (html_index, md_index, json_index):
         md("## One report, read back: the JSON record"),
         code('''import json
 
+import numpy as np
 import pandas as pd
 
 layer, neuron = neurons[0]
 data = json.loads((OUT / "json" / f"L{layer}_N{neuron}.json").read_text())
 print(data["schema"], data["provenance"]["model"], data["provenance"]["convention"])
-pd.DataFrame(data["triggers"]["top"])[["rank", "activation", "token", "next_token", "context"]].head(5)'''),
+triggers = pd.DataFrame(data["triggers"]["top"])
+# the report holds the atlas's own triggers, and its index links every chosen neuron
+stored = atlas.triggers(layer, neuron, kind="top")
+np.testing.assert_allclose(triggers.activation, stored.activation, rtol=1e-6)
+assert triggers.context.tolist() == stored.context.tolist()
+page = html_index.read_text()
+assert all(f"L{at}_N{n}.html" in page for at, n in neurons)
+triggers[["rank", "activation", "token", "next_token", "context"]].head(5)'''),
         md("Does the value promote the tokens that follow its triggers?"),
-        code('''pd.DataFrame(data["agreement"])[["convention", "triggers", "tokens", "checked", "fraction", "chance"]]'''),
+        code('''agreement = pd.DataFrame(data["agreement"])
+assert ((agreement.fraction >= 0) & (agreement.fraction <= 1)).all() and set(agreement.convention) == set(atlas.conventions)
+agreement[["convention", "triggers", "tokens", "checked", "fraction", "chance"]]'''),
         md("## The Markdown version (first lines) and the neuron itself, shown inline"),
         code('''print("\\n".join((OUT / "md" / f"L{layer}_N{neuron}.md").read_text().splitlines()[:16]))'''),
         code('''atlas.neuron(layer, neuron)'''),

@@ -74,6 +74,21 @@ def test_bootstrap_weighted_mean_and_median():
         bootstrap_ci([1.0], statistic="mode")
 
 
+def test_bootstrap_weights_change_the_known_distribution():
+    """lm_quality's accuracy: per-layer rates correct / predictions weighted by predictions, a ratio of sums.
+    Rates [0, 1] with weights [1, 3]: the two draws give 0 (1/4), (0·1 + 1·3) / 4 = 3/4 (1/2) or 1 (1/4),
+    so the middle 40% is exactly 3/4; unweighted it would be 1/2. The weighted median of the mixed draw is 1
+    (the weight passes half at the second value); unweighted it is the midpoint 1/2."""
+    correct, predictions = np.array([0.0, 3.0]), np.array([1.0, 3.0])
+    rates = correct / predictions
+    assert bootstrap_ci(rates, weights=predictions, n_boot=4000, seed=1, level=0.4) == (0.75, 0.75)
+    assert bootstrap_ci(rates, n_boot=4000, seed=1, level=0.4) == (0.5, 0.5)
+    assert bootstrap_ci(rates, weights=predictions, statistic="median", n_boot=4000, seed=1, level=0.4) == (1.0, 1.0)
+    assert bootstrap_ci(rates, weights=predictions, n_boot=4000, seed=1) == (0.0, 1.0)
+    # a zero weight drops its value: only the second rate is left
+    assert bootstrap_ci(rates, weights=[0.0, 3.0], n_boot=50) == (1.0, 1.0)
+
+
 # ---- paired tests ----
 def test_average_ranks_share_ties():
     assert average_ranks([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]

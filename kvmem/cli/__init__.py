@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module of this package with two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. User errors (:class:`KvmemError`) print
-one line ``kvmem: error: ...`` and exit with status 2; ``--debug`` shows the traceback.
+one line ``kvmem: error: ...`` and exit with status 2, and so do operating-system errors (a full
+disk while the atlas is written: :func:`kvmem.cli.output.os_error_line`); ``--debug`` shows the
+traceback.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"kvmem: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        if args.debug:
+            raise
+        from kvmem.cli.output import os_error_line
+
+        print(f"kvmem: error: {os_error_line(error, out=getattr(args, 'out', None))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvmem: interrupted", file=sys.stderr)

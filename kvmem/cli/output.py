@@ -1,10 +1,22 @@
-"""Readable tables on a terminal (no dependency beyond pandas)."""
+"""What the command prints: readable tables on a terminal (no dependency beyond pandas), and the
+one line that stands for an operating-system error."""
 
 from __future__ import annotations
 
+import errno
+import re
 import shutil
 
-__all__ = ["print_table", "format_table"]
+__all__ = ["print_table", "format_table", "os_error_line"]
+
+# errno -> what the user can do about it
+_OS_FIXES = {
+    errno.ENOSPC: "free some space or write to another --out",
+    errno.EDQUOT: "free some of your quota or write to another --out",
+    errno.EFBIG: "the file size limit (ulimit -f) was reached; raise it or write to another --out",
+    errno.EACCES: "check the permissions, or write to another --out",
+    errno.EROFS: "the file system is read-only; write to another --out",
+}
 
 
 def format_table(frame, *, floats: dict[str, str] | None = None, max_width: int | None = None) -> str:
@@ -35,3 +47,17 @@ def format_table(frame, *, floats: dict[str, str] | None = None, max_width: int 
 
 def print_table(frame, **kwargs) -> None:
     print(format_table(frame, **kwargs))
+
+
+def os_error_line(error: OSError, *, out: str | None = None) -> str:
+    """One line for an ``OSError`` (a full disk, a file size limit, a permission): what failed, where,
+    and the fix. ``out``: the command's output path, named when the error carries no file name
+    (pyarrow's write errors do not)."""
+    reason = error.strerror or str(error).splitlines()[0] or type(error).__name__
+    where = f" ({error.filename})" if error.filename else f" while writing {out}" if out else ""
+    number = error.errno
+    if number is None:  # pyarrow puts the errno in its message only: "... [errno 28] No space left ..."
+        found = re.search(r"\[errno (\d+)\]", str(error), flags=re.IGNORECASE)
+        number = int(found.group(1)) if found else None
+    fix = _OS_FIXES.get(number, "check the path and try again")
+    return f"{reason}{where}; {fix}"

@@ -1,0 +1,115 @@
+"""Mutation audit: change one thing at a time in a copy of the code, run the test file that owns it,
+and report whether a test failed (it should). Not collected by pytest; run it by hand:
+
+    python tests/mutation_audit.py [NAME ...]
+
+Each mutation names a file, one exact piece of text in it and its replacement, and the test file(s)
+to run. The copy is a temporary directory holding kvmem/, tests/, data/ and pyproject.toml; the
+working tree is never touched. A mutation whose text is no longer found is reported as stale.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    select: str | None = None  # pytest -k expression, to run only the tests that own the code
+
+
+MUTATIONS = [
+    Mutation("context keeps one token fewer before (text)", "kvmem/scanning/texts.py",
+             "c0, c1 = max(0, at - before), ", "c0, c1 = max(0, at - before + 1), ",
+             ("tests/test_context_limits.py",)),
+    Mutation("context keeps one token fewer before (coefficients)", "kvmem/scanning/runner.py",
+             "steps = torch.arange(-config.context_before, ", "steps = torch.arange(-config.context_before + 1, ",
+             ("tests/test_context_limits.py",)),
+    Mutation("context_after 4 -> 3", "kvmem/scanning/config.py",
+             "context_after: int = 4", "context_after: int = 3", ("tests/test_context_limits.py",)),
+    Mutation("quantile bands by the count after each bin", "kvmem/atlas.py",
+             "band_of_bin = np.searchsorted(np.asarray(levels[1:-1]), before, side=\"right\")",
+             "band_of_bin = np.searchsorted(np.asarray(levels[1:-1]), cumulative, side=\"right\")",
+             ("tests/test_export.py",), "quantile"),
+    Mutation("equal quantile bands by the count after each bin", "kvmem/atlas.py",
+             "band_of_bin = np.minimum((before * bands).astype(int), bands - 1)",
+             "band_of_bin = np.minimum((cumulative * bands).astype(int), bands - 1)",
+             ("tests/test_export.py",), "quantile"),
+    Mutation("quantile_boundaries use the upper edge of the bin", "kvmem/export/neuron_explainer.py",
+             "edge = float(histogram.low.iloc[bins[0]])", "edge = float(histogram.high.iloc[bins[0]])",
+             ("tests/test_export.py",), "quantile or round_trip"),
+    Mutation("bootstrap_ci ignores its weights", "kvmem/experiments/stats.py",
+             "weights = np.ones(len(values)) if weights is None else np.asarray(weights, np.float64)",
+             "weights = np.ones(len(values))", ("tests/test_experiments_stats.py",), "bootstrap"),
+    Mutation("merge drops the second state's random sample", "kvmem/scanning/accumulator.py",
+             "out.random = a.random.merge(b.random)", "out.random = a.random", ("tests/test_state_merge.py",)),
+    Mutation("random sample merge drops one entry", "kvmem/scanning/sampling.py",
+             "order = _order(_keys_or_none(codes, self.seed), codes, 0)[:size]",
+             "order = _order(_keys_or_none(codes, self.seed), codes, 0)[:size]\n"
+             "        order = torch.cat([order[1:], order[:1].new_full((1,), codes.shape[0] - 1)])",
+             ("tests/test_state_merge.py",)),
+    Mutation("histograms merged with max", "kvmem/scanning/accumulator.py",
+             "histogram=a.histogram + b.histogram", "histogram=torch.maximum(a.histogram, b.histogram)",
+             ("tests/test_state_merge.py",)),
+    Mutation("pack wraps around past 2^32 positions", "kvmem/plan.py",
+             "    _check_packable(doc, pos)\n", "", ("tests/test_inputs.py",), "pack"),
+]
+
+
+def copy_tree(target: Path) -> None:
+    for name in ("kvmem", "tests", "data", "notebooks", "docs"):
+        if (ROOT / name).exists():
+            shutil.copytree(ROOT / name, target / name)  # with __pycache__: numba's kernel cache
+    for name in ("pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, target / name)
+
+
+def run(mutation: Mutation) -> tuple[str, float, str]:
+    with tempfile.TemporaryDirectory(prefix="kvmem-mutation-") as tmp:
+        copy = Path(tmp)
+        copy_tree(copy)
+        path = copy / mutation.path
+        text = path.read_text()
+        if text.count(mutation.old) != 1:
+            return "stale (text not found once)", 0.0, ""
+        path.write_text(text.replace(mutation.old, mutation.new))
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
+        if mutation.select:
+            command += ["-k", mutation.select]
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        started = time.perf_counter()
+        result = subprocess.run(command, cwd=copy, capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - started
+        last = (result.stdout.strip().splitlines() or [""])[-1]
+        verdict = "caught (a test failed)" if result.returncode == 1 else \
+            "MISSED (tests passed)" if result.returncode == 0 else f"error (pytest exit {result.returncode})"
+        return verdict, seconds, last
+
+
+def main(names: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not names or any(n.lower() in m.name.lower() for n in names)]
+    missed = 0
+    for mutation in chosen:
+        verdict, seconds, last = run(mutation)
+        missed += verdict.startswith("MISSED")
+        print(f"{mutation.name:55s} {verdict:28s} {seconds:6.1f} s  {last}", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""The command line's scan options end to end: ``--shard`` parsing, ``kvmem merge`` of real shard scans,
+and ``--resume`` after a real SIGKILL of a checkpointing ``kvmem scan`` process. Each result is compared
+with an uninterrupted single ``kvmem scan`` of the same corpus: every table byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SHORT_DOCS
+
+import kvmem.schema
+from kvmem.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = ["--top-k", "4", "--window", "8", "--batch-size", "1", "--per-document", "--top-n", "3",
+            "--block-documents", "2", "--checkpoint-every", "10", "--quiet"]
+
+
+def assert_same_tables(a: Path, b: Path) -> None:
+    for table in kvmem.schema.TABLES:
+        assert (a / f"{table}.parquet").read_bytes() == (b / f"{table}.parquet").read_bytes(), table
+    ma, mb = (json.loads((x / "manifest.json").read_text()) for x in (a, b))
+    for manifest in (ma, mb):
+        manifest.pop("timing")
+    assert ma == mb
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli-corpus") / "c.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole(gpt2_dir, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli-whole") / "whole"
+    assert main(["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]) == 0
+    return out
+
+
+@pytest.mark.parametrize(("shard", "message"), [
+    ("2", r"--shard expects i/N \(e\.g\. 0/4\), got '2'"),
+    ("a/b", r"--shard expects i/N \(e\.g\. 0/4\), got 'a/b'"),
+    ("1/2/3", r"--shard expects i/N \(e\.g\. 0/4\), got '1/2/3'"),
+    ("3/3", r"shard must be i/N with 0 <= i < N, got 3/3"),
+    ("-1/2", r"shard must be i/N with 0 <= i < N, got -1/2"),
+    ("0/0", r"shard must be i/N with 0 <= i < N, got 0/0"),
+])
+def test_bad_shard_is_one_line_before_the_model_loads(shard, message, corpus, tmp_path, capsys):
+    import re
+
+    # a model that does not exist: the shard is refused first, so no model is loaded
+    code = main(["scan", "--model", str(tmp_path / "no-model"), "--corpus", str(corpus), "--out", str(tmp_path / "a"),
+                 f"--shard={shard}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_cli_shards_merge_to_the_single_scan(gpt2_dir, corpus, whole, tmp_path, capsys):
+    shards = []
+    for index in range(2):
+        out = tmp_path / f"shard{index}"
+        assert main(["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out),
+                     "--shard", f"{index}/2", *SETTINGS]) == 0
+        shards.append(out)
+    tokens = [json.loads((s / "manifest.json").read_text())["tokens"] for s in shards]
+    assert all(t > 0 for t in tokens) and sum(tokens) == json.loads((whole / "manifest.json").read_text())["tokens"]
+    capsys.readouterr()
+    assert main(["merge", *map(str, reversed(shards)), "--out", str(tmp_path / "merged"), "--quiet"]) == 0
+    assert "merged" in capsys.readouterr().out
+    assert_same_tables(whole, tmp_path / "merged")
+    # an incomplete set is one line, exit 2, and writes nothing
+    assert main(["merge", str(shards[0]), "--out", str(tmp_path / "one"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing 1/2" in err[0] and not (tmp_path / "one").exists()
+
+
+SLOW_CLI = """
+import sys, time
+from kvmem.scanning import runner
+real = runner._run_batch
+def slow(*args, **kwargs):  # a slow machine: every forward takes 0.1 s more
+    time.sleep(0.1)
+    return real(*args, **kwargs)
+runner._run_batch = slow
+from kvmem.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus, whole, tmp_path, capsys):
+    out = tmp_path / "resumed"
+    argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *argv], env=env, stderr=subprocess.PIPE, text=True)
+    state = tmp_path / "resumed.checkpoint" / "state.json"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and process.poll() is None:
+            try:
+                if json.loads(state.read_text())["batches"] >= 8:
+                    break
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                pass
+            time.sleep(0.05)
+        assert process.poll() is None, f"the scan ended before it could be killed: {process.stderr.read()[-2000:]}"
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+        process.stderr.close()
+    assert process.returncode == -signal.SIGKILL and not out.exists()
+    assert json.loads(state.read_text())["batches"] >= 8
+    assert main([*argv, "--resume"]) == 0
+    assert_same_tables(whole, out)
+    assert not state.parent.exists()
+    capsys.readouterr()
+    # nothing left to resume: one line
+    assert main([*argv[:6], str(tmp_path / "never"), *SETTINGS, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing to resume" in err[0]
