@@ -2,7 +2,7 @@
 one stream over the whole corpus holds (histograms, random sample, bin samples, moments, top-k).
 
 Public functions only: ``kvmem.scanning.runner.stream`` (the pass alone) and ``ScanState.merge``
-(which merges layer states with ``kvmem.scanning.accumulator.merge_states``). Oracles: HF forwards
+(which merges layer states with ``kvmem.scanning.state.merge_states``). Oracles: HF forwards
 with a down-projection pre-hook, bins from the documented edges, the sampling keys re-derived in
 plain Python integers (tests/hf_oracle.py).
 """
@@ -14,7 +14,7 @@ import pytest
 from conftest import SHORT_DOCS
 from hf_oracle import histogram_bins, positions, sampling_key
 
-from kvmem.scanning.accumulator import merge_states
+from kvmem.scanning.state import merge_states
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.runner import stream
 

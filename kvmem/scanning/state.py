@@ -184,7 +184,7 @@ class LayerState:
     double-double sums of m and m² (row 0 high part, row 1 low part); ``positive`` [F] int64
     #{m > 0}; ``histogram`` [F, B] int64. ``doc_top``/``doc_bottom``: the best position of each
     document (only with per_document), with the still-open document's running best in ``open_*``.
-    ``random``/``bins``: the samples of :mod:`kvmem.scanning.sampling` (None when switched off).
+    ``random``/``bins``: the samples of :mod:`kvmem.scanning.state` (None when switched off).
     """
 
     top: Side
