@@ -53,7 +53,7 @@ COLUMNS: dict[str, dict[str, str]] = {
         "act_sq_sum": "float64, sum of m_i^2 (for exact merging)",
         "key_norm": "float32, ||k_i|| (W1 row, W_up row when gated)",
         "gate_norm": "float32, ||g_i|| (W_gate row), NaN for a plain FFN",
-        "value_norm": "float32, ||v_i||",
+        "value_norm": "float32, ||w_i||: the norm of what neuron i writes into the residual (Model.written_values; ||v_i|| but on post-norm or scaled FFNs)",
     },
     "triggers": {
         "layer": "int16",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvmem.errors import KvmemError
 from kvmem.manifest import Manifest
+from kvmem.scanned import check_model, load_scanned_model
 
 __all__ = ["merge"]
 
@@ -72,12 +73,9 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
                          f"scan them with --shard i/{count} and merge all {count}")
 
     if model is None:
-        import kvmem
-
-        model = kvmem.load_model(first.model["name"], dtype=first.model.get("dtype"))
-    if model.fingerprint != first.model["fingerprint"]:
-        raise KvmemError(f"the model given has other weights ({model.fingerprint}) than the scanned one "
-                         f"({first.model['fingerprint']}); pass the model that was scanned")
+        model = load_scanned_model(first)  # the manifest's name, revision and dtype; fingerprint checked
+    else:
+        check_model(first, model)  # the one fingerprint policy: a merge recomputes the atlas's numbers
     phases = Phases(progress)
     state = None
     with phases.phase("read", total=len(paths)) as bar:

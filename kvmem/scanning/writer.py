@@ -133,7 +133,7 @@ def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]
             "key_norm": model.keys(layer).float().norm(dim=1).cpu().numpy(),
             "gate_norm": (gate.float().norm(dim=1).cpu().numpy() if gate is not None
                           else np.full(model.d_ff, np.nan, np.float32)),
-            "value_norm": model.values(layer).float().norm(dim=1).cpu().numpy(),
+            "value_norm": model.written_values(layer).norm(dim=1).cpu().numpy(),  # what reaches the residual
         }
         for name, values in part.items():
             columns.setdefault(name, []).append(values)
