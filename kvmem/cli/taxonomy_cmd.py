@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvmemError(f"--block must be at least 1, got {args.block}")
     if args.atlas is not None:
         from kvmem.atlas import open_atlas
-        from kvmem.records import load_scanned_model
+        from kvmem.scanned import load_scanned_model
 
         atlas = open_atlas(args.atlas)
         if args.convention is not None and args.convention not in atlas.conventions:
