@@ -14,9 +14,9 @@ import pytest
 from conftest import SHORT_DOCS
 from hf_oracle import histogram_bins, positions, sampling_key
 
-from kvmem.scanning.state import merge_states
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.runner import stream
+from kvmem.scanning.state import merge_states
 
 WINDOW = 8
 RANDOM = 12  # random sample size, well below the ~150 positions

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.devices import device_help
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -44,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--retries", type=int, default=3, help="retries per LLM request, with backoff (openai:)")
     parser.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry, doubled each time")
     parser.add_argument("--concurrency", type=int, default=4, help="LLM requests in flight (openai:)")
-    parser.add_argument("--device", default=None, help="device of an hf: model (default cpu)")
+    parser.add_argument("--device", default=None, help="device of an hf: model; " + device_help("cpu"))
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

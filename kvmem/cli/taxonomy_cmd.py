@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.devices import device_help
+
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
@@ -13,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--convention", default=None,
                         help="value projection the self-suppression rank reads (default: the atlas's default)")
     parser.add_argument("--block", type=int, default=128, help="neurons per block of the vocabulary statistics")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", default="cpu", help=device_help("cpu"))
     parser.add_argument("--revision", default=None, help="hub revision with --model")
 
 
