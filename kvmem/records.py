@@ -162,10 +162,8 @@ def context_coefficients(atlas, model, requests: Sequence[ContextRequest], *, co
 
     documents = takewhile(lambda d: d.index <= last_doc, scanned_corpus(atlas, corpus))
     pending = []
-    for item in iterate_batches(documents, model.tokenizer, plan, StreamPosition()):
-        if isinstance(item, int):
-            continue
-        pending.extend(w for w in item.windows if w.key in by_window)
+    for batch in iterate_batches(documents, model.tokenizer, plan, StreamPosition()):
+        pending.extend(w for w in batch.windows if w.key in by_window)
         while len(pending) >= plan.batch_size:
             run(pending[:plan.batch_size])
             pending = pending[plan.batch_size:]

@@ -96,8 +96,7 @@ def corpus_windows(model: Model, corpus: Corpus, plan: TokenPlan) -> list[Window
     """The windows a scan under ``plan`` reads (its shard's only), in corpus order (not batch order)."""
     from kvmem.plan import StreamPosition, iterate_batches
 
-    out = [w for item in iterate_batches(corpus, model.tokenizer, plan, StreamPosition()) if not isinstance(item, int)
-           for w in item.windows]
+    out = [w for batch in iterate_batches(corpus, model.tokenizer, plan, StreamPosition()) for w in batch.windows]
     out.sort(key=lambda w: w.key)
     if not out:
         raise KvmemError(f"corpus {corpus.spec!r} gave no tokens under this plan; check the corpus")
