@@ -1,4 +1,5 @@
-"""Write a directory so that readers see the old one or the complete new one, never half of it."""
+"""Write a directory so that readers see the old one or the complete new one, never half of it; read a
+parquet file that a writer may be replacing by rename."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["staged_directory"]
+__all__ = ["read_replaced_parquet", "staged_directory"]
 
 
 @contextmanager
@@ -36,3 +37,16 @@ def staged_directory(target: str | os.PathLike, *, mode: int | None = None) -> I
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_replaced_parquet(path: str | os.PathLike):
+    """The pyarrow table in ``path``, read in one pass over one open file.
+
+    ``pq.read_table(path)`` opens the path more than once (footer, then pages); a writer's rename
+    between those opens pairs one file's footer with another's pages and the read fails. Raises
+    FileNotFoundError when there is no file.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pq.read_table(pa.BufferReader(Path(path).read_bytes()))

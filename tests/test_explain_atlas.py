@@ -143,6 +143,32 @@ def test_killed_explain_resumes_and_matches_a_clean_run(explain_atlas, tmp_path)
     pd.testing.assert_frame_equal(store.read(explain_atlas.path), expected)
 
 
+def test_reads_while_another_process_rewrites_never_see_a_mixed_file(explain_atlas):
+    """A writer process replaces explanations.parquet by rename in a loop; every read here sees one whole
+    table (pyarrow's own path reader opens the file twice and fails on about a quarter of such reads)."""
+    kvmem.explain(explain_atlas, neurons=[(0, n) for n in range(40)])
+    rows = store.read(explain_atlas.path)
+    code = ("import sys, kvmem\nfrom kvmem.autointerp import store\n"
+            f"frame = store.read({str(explain_atlas.path)!r})\n"
+            "print('ready', flush=True)\n"
+            "for i in range(100000):\n"
+            "    store.write(" f"{str(explain_atlas.path)!r}" ", frame.iloc[: 1 + i % len(frame)])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"ready", child.stderr.read().decode()[-2000:]
+        seen, deadline = set(), time.time() + 4
+        while time.time() < deadline:
+            frame = store.read(explain_atlas.path)
+            pd.testing.assert_frame_equal(frame, rows.iloc[: len(frame)].reset_index(drop=True))
+            seen.add(len(frame))
+        assert child.poll() is None, child.stderr.read().decode()[-2000:]
+        assert len(seen) > 3  # the writer really was replacing the file under the reads
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_reports_and_neuron_explainer_export_carry_explanations(explain_atlas, tmp_path):
     import html as html_lib
 

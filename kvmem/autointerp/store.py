@@ -97,13 +97,13 @@ def complete(frame: pd.DataFrame) -> pd.DataFrame:
 
 def read(atlas_path) -> pd.DataFrame:
     """The atlas's explanations (an empty frame with every column when there are none)."""
-    import pyarrow.parquet as pq
+    from kvmem.atomic import read_replaced_parquet
 
     path = Path(atlas_path) / FILE
-    if not path.exists():
-        return empty()
     try:
-        table = pq.read_table(path)
+        table = read_replaced_parquet(path)
+    except FileNotFoundError:
+        return empty()
     except Exception as error:  # pyarrow raises several types for a damaged file
         raise KvmemError(f"{path} is corrupt ({error}); delete it and explain again") from None
     return complete(table.to_pandas())

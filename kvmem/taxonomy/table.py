@@ -203,13 +203,13 @@ def write_taxonomy(frame: pd.DataFrame, metadata: dict, path: str | os.PathLike)
 
 def read_taxonomy(path: str | os.PathLike) -> pd.DataFrame:
     """The taxonomy table as a DataFrame (``frame.attrs['kvmem.taxonomy']`` holds its metadata)."""
-    import pyarrow.parquet as pq
+    from kvmem.atomic import read_replaced_parquet
 
     path = Path(path)
     if not path.exists():
         raise KvmemError(f"{path} does not exist; write it with kvmem taxonomy")
     try:
-        table = pq.read_table(path)
+        table = read_replaced_parquet(path)
     except Exception as error:  # pyarrow raises several types for a damaged file
         raise KvmemError(f"{path} is not a readable taxonomy table ({error}); write it again with kvmem taxonomy") from None
     meta = table.schema.metadata or {}
