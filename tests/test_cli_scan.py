@@ -128,3 +128,54 @@ def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus
     assert main([*argv[:6], str(tmp_path / "never"), *SETTINGS, "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing to resume" in err[0]
+
+
+KILL_IN_SAVE = """
+import os, signal, sys
+from pathlib import Path
+import safetensors.torch
+
+where = sys.argv.pop(1)
+saves = []
+real_save, real_replace = safetensors.torch.save_file, os.replace
+
+def save_file(tensors, path, metadata=None):  # the second save is killed half-way through its tensor file
+    saves.append(path)
+    real_save(tensors, path, metadata=metadata)
+    if where == "tensors" and len(saves) == 2:
+        with open(path, "rb+") as handle:
+            handle.truncate(os.path.getsize(path) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def replace(src, dst, *args, **kwargs):  # or killed after both files are written, before the commit
+    if where == "commit" and len(saves) == 2 and Path(dst).name == "state.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst, *args, **kwargs)
+
+safetensors.torch.save_file, os.replace = save_file, replace
+from kvmem.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["tensors", "commit"])
+def test_kill_inside_a_checkpoint_write_resumes_from_the_previous_one(where, gpt2_dir, corpus, whole, tmp_path):
+    """A real SIGKILL half-way through writing the second checkpoint's tensor file, or after writing it and
+    before the commit: the first checkpoint stays whole, --resume continues from it, and the tables equal an
+    uninterrupted scan's."""
+    out = tmp_path / "resumed"
+    argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, "-c", KILL_IN_SAVE, where, *argv], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    checkpoint = tmp_path / "resumed.checkpoint"
+    first = json.loads((checkpoint / "state.json").read_text())
+    leftovers = sorted(p.name for p in checkpoint.iterdir())
+    assert len([n for n in leftovers if n.endswith(".safetensors")]) == 2  # the committed one and the killed one
+    from kvmem.scanning.checkpoint import load_state
+
+    assert load_state(checkpoint, None).batches == first["batches"] > 0  # the first checkpoint, whole
+    assert main([*argv, "--resume"]) == 0
+    assert_same_tables(whole, out)
+    assert not checkpoint.exists()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import kvmem.schema
+
 ROOT = Path(__file__).resolve().parent.parent
 SCAN = ["--corpus", "pydoc", "--max-tokens", "2000", "--window", "32", "--top-k", "4", "--quiet"]
 
@@ -78,3 +80,40 @@ def test_file_size_limit_while_writing(gpt2_dir, tmp_path):
     assert "ulimit -f" in line and str(out) in line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas"]
+
+
+CHECKPOINTING = [*SCAN, "--checkpoint-every", "200", "--batch-size", "1", "--block-documents", "1"]
+
+
+def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(gpt2_dir, tmp_path):
+    """ENOSPC for real in the middle of a scan: a 4 MiB tmpfs holds one checkpoint of this scan (2.8 MB)
+    but not the next one beside it. One line, exit 2; the first checkpoint stays whole and nothing else
+    is left; after the disk grows, --resume finishes the scan with the tables of an uninterrupted one."""
+    from kvmem.cli import main
+    from kvmem.scanning.checkpoint import load_state
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+    try:
+        argv = ["scan", "--model", str(gpt2_dir), "--out", str(mount / "atlas"), *CHECKPOINTING]
+        result = cli(argv)
+        line = assert_one_line_exit_2(result, "No space left on device")
+        assert "cannot write the checkpoint" in line and "previous checkpoint is kept" in line
+        checkpoint = mount / "atlas.checkpoint"
+        assert sorted(p.name for p in mount.iterdir()) == ["atlas.checkpoint"]
+        names = sorted(p.name for p in checkpoint.iterdir())
+        assert len(names) == 2 and "state.json" in names, names  # the committed pair, nothing half-written
+        assert load_state(checkpoint, None).batches > 0
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+        assert main([*argv, "--resume"]) == 0
+        assert main(["scan", "--model", str(gpt2_dir), "--out", str(tmp_path / "whole"), *CHECKPOINTING]) == 0
+        for table in kvmem.schema.TABLES:
+            path = f"{table}.parquet"
+            assert (mount / "atlas" / path).read_bytes() == (tmp_path / "whole" / path).read_bytes(), table
+        assert not checkpoint.exists()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

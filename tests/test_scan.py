@@ -341,12 +341,13 @@ def test_checkpoint_with_pickle_payload_is_refused(gpt2_model, tmp_path):
     out = tmp_path / "atlas"
     checkpoint = tmp_path / "atlas.checkpoint"
     checkpoint.mkdir()
-    (checkpoint / "state.safetensors").write_bytes(pickle.dumps(Payload()))
-    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 1, "generation": "x"}))
+    (checkpoint / "state.x.safetensors").write_bytes(pickle.dumps(Payload()))
+    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 2, "generation": "x",
+                                                      "tensor_file": "state.x.safetensors"}))
     with pytest.raises(kvmem.KvmemError) as error:
         kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, checkpoint_every=5, progress=False)
     assert "is not a safetensors file" in str(error.value) and "\n" not in str(error.value)
-    (checkpoint / "state.safetensors").unlink()
+    (checkpoint / "state.x.safetensors").unlink()
     (checkpoint / "state.json").unlink()
     (checkpoint / "state.pt").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(kvmem.KvmemError, match="old pickle checkpoint state.pt is never loaded"):

@@ -1,9 +1,14 @@
 """Checkpoints and mergeable states as data, never code: tensors in safetensors, the rest in JSON.
 
-A state directory holds ``state.safetensors`` (every tensor of every layer) and ``state.json``
-(counters, the stream position, the text store and a header naming the settings it belongs to).
-Both carry the same random ``generation`` tag, so a pair torn by a crash is refused, not mixed.
-Nothing is unpickled: a file that is not safetensors/JSON gets a one-line error.
+A state directory holds ``state.<generation>.safetensors`` (every tensor of every layer) and
+``state.json`` (counters, the stream position, the text store, a header naming the settings it
+belongs to, and the name of its tensor file). A save writes the new tensor file beside the old one,
+flushes it to disk, and then replaces ``state.json`` by rename: that rename is the one commit point.
+A process killed anywhere in a save leaves the previous checkpoint whole, and the next save removes
+what the killed one left. Both files carry the same random ``generation`` tag, so a pair torn any
+other way is refused, not mixed. Nothing is unpickled: a file that is not safetensors/JSON gets a
+one-line error. A save that cannot write (a full disk) raises :class:`KvmemError` in one line and
+leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from kvmem.scanning.texts import TextStore
 
 __all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
 
-_VERSION = 1
+_VERSION = 2  # 2: the tensor file is named per generation in state.json
+META = "state.json"
 
 
 def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
@@ -62,40 +68,74 @@ def _position(data: dict) -> StreamPosition:
     return StreamPosition(**{k: v for k, v in data.items() if k in known})
 
 
-def save_state(directory: Path, state, header: dict) -> None:
-    """Write the state into ``directory`` (created), replacing an older one atomically per file."""
+def save_state(directory: Path, state, header: dict, *, tensor_file: str | None = None) -> None:
+    """Write the state into ``directory`` (created); the previous state stays valid until the commit.
+
+    ``tensor_file``: a fixed name for the tensor file (for a directory written once, such as a shard
+    atlas's state); by default it is named after the save's generation.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, meta = _split(state, header)
     generation = secrets.token_hex(8)
-    meta["generation"] = generation
-    save_file(tensors, directory / "state.safetensors.tmp", metadata={"generation": generation})
-    (directory / "state.json.tmp").write_text(json.dumps(meta))
-    os.replace(directory / "state.safetensors.tmp", directory / "state.safetensors")
-    os.replace(directory / "state.json.tmp", directory / "state.json")
+    tensor_name = tensor_file or f"state.{generation}.safetensors"
+    meta.update(generation=generation, tensor_file=tensor_name)
+    meta_tmp = directory / f".{META}.{generation}.tmp"
+    try:
+        save_file(tensors, directory / tensor_name, metadata={"generation": generation})
+        _flush(directory / tensor_name)
+        with open(meta_tmp, "w") as out:
+            out.write(json.dumps(meta))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(meta_tmp, directory / META)  # the commit
+    except (OSError, SafetensorError) as error:
+        for leftover in (directory / tensor_name, meta_tmp):
+            leftover.unlink(missing_ok=True)
+        raise KvmemError(f"cannot write the checkpoint in {directory} ({_first_line(error)}); the previous "
+                         f"checkpoint is kept: free space (or fix the error) and scan again with --resume") from None
+    for stale in directory.iterdir():  # the previous generation, and what a killed save left
+        if stale.name not in (META, tensor_name) and (stale.name.startswith("state.") or stale.name.startswith(f".{META}")):
+            stale.unlink(missing_ok=True)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def _flush(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
 
 
 def load_state(directory: Path, header: dict | None, *, device="cpu"):
-    """Read a state written by :func:`save_state`; ``header`` (if given) must match the saved one."""
+    """Read the last state committed by :func:`save_state`; ``header`` (if given) must match the saved one."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
-    tensors_path, meta_path = directory / "state.safetensors", directory / "state.json"
-    if not meta_path.exists() or not tensors_path.exists():
+    meta_path = directory / META
+    if not meta_path.exists():
         legacy = " (an old pickle checkpoint state.pt is never loaded)" if (directory / "state.pt").exists() else ""
         raise KvmemError(f"nothing to resume: no checkpoint at {directory}{legacy}; scan without --resume")
     try:
         meta = json.loads(meta_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise KvmemError(f"checkpoint {meta_path} is not JSON; delete {directory} and scan again") from None
+    if not isinstance(meta, dict) or meta.get("kvmem_state") != _VERSION:
+        raise KvmemError(f"{directory} is not a kvmem scan state (or one of another version); delete it and scan again")
+    tensors_path = directory / str(meta.get("tensor_file"))
+    if not tensors_path.exists() or tensors_path.parent != directory:
+        raise KvmemError(f"checkpoint {directory} lacks its tensor file {tensors_path.name}; delete it and scan again")
     try:
         with safe_open(tensors_path, framework="pt") as handle:
             generation = (handle.metadata() or {}).get("generation")
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except (SafetensorError, OSError, ValueError) as error:
-        raise KvmemError(f"checkpoint {tensors_path} is not a safetensors file ({str(error).splitlines()[0]}); "
+        raise KvmemError(f"checkpoint {tensors_path} is not a safetensors file ({_first_line(error)}); "
                          f"delete {directory} and scan again") from None
     if generation != meta.get("generation"):
         raise KvmemError(f"checkpoint {directory} is torn (its two files come from different saves); "

@@ -90,7 +90,7 @@ def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwri
         for name, source in (copy or {}).items():
             _link_or_copy(Path(source), tmp / f"{name}.parquet")
         if state is not None:
-            save_state(tmp / STATE_DIR, state, {"shard": True})
+            save_state(tmp / STATE_DIR, state, {"shard": True}, tensor_file="state.safetensors")
         if bar is not None:
             bar.update()
         (manifest() if callable(manifest) else manifest).write(tmp / "manifest.json")
