@@ -23,6 +23,7 @@ The rule, stable so anyone can recompute an activation:
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -188,14 +189,43 @@ def document_digest(doc_id: str, text: str) -> str:
     return hashlib.sha256(doc_id.encode() + b"\0" + text.encode()).hexdigest()
 
 
+def short_digest(digest: str) -> int:
+    """The first 60 bits of a document's sha256 (hex) as a non-negative int64: what a resume compares."""
+    return int(digest[:15], 16)
+
+
 @dataclass
 class StreamPosition:
-    """Where the stream stands (all processes agree on it): enough to resume at a block boundary."""
+    """Where the stream stands (all processes agree on it): enough to resume at a block boundary.
+
+    ``read_digests`` holds :func:`short_digest` of every document read, in reading order (8 bytes a
+    document); a resumed stream checks the documents it skips against them.
+    """
 
     blocks_done: int = 0  # blocks fully read (by any process)
     tokens: int = 0  # scored tokens of the whole stream so far (all shards and ranks)
     documents: int = 0  # documents read so far
     corpus_digest: str = ""  # chained sha256 over (id, text) of every document read
+    read_digests: array = field(default_factory=lambda: array("q"), repr=False, compare=False)
+
+    def to_json(self) -> dict:
+        """Every field but ``read_digests`` (saved as a tensor beside the state)."""
+        return {name: getattr(self, name) for name in ("blocks_done", "tokens", "documents", "corpus_digest")}
+
+
+def _check_unchanged(document, checked: int, position: StreamPosition) -> None:
+    """Refuse a resumed stream whose already-read documents differ from what was read before."""
+    digests = position.read_digests
+    if checked >= len(digests):
+        if not digests:  # a state from before digests were kept: nothing to check against
+            return
+        raise KvmemError(f"the corpus changed since the checkpoint: document {document.index} ({document.id!r}) "
+                         f"lies in a block that was complete with {len(digests)} documents; rerun on the "
+                         f"original corpus, or start over without --resume")
+    if short_digest(document_digest(document.id, document.text)) != digests[checked]:
+        raise KvmemError(f"the corpus changed since the checkpoint: document {document.index} ({document.id!r}) "
+                         f"differs from the one read before; rerun on the original corpus, or start over "
+                         f"without --resume")
 
 
 def _encoder(tokenizer) -> Callable[[str], tuple[list[int], list[tuple[int, int]] | None]]:
@@ -250,10 +280,18 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
         last_code = max(last_code, max(window_key(w.doc, w.start + len(w.tokens) - 1) for w in windows))
         return Batch(current_block, windows, sum(len(w.tokens) for w in windows), ordered)
 
+    checked = 0  # documents of the blocks already done, compared with their recorded digests
+    recorded = len(position.read_digests)  # documents read before this (resumed) stream
     for document in documents:
         block = document.index // block_docs
         if block < position.blocks_done:
+            _check_unchanged(document, checked, position)
+            checked += 1
             continue
+        if checked < recorded:
+            raise KvmemError(f"the corpus changed since the checkpoint: it now has {checked} documents where "
+                             f"{recorded} were read before (document {document.index}, {document.id!r}, comes "
+                             f"early); rerun on the original corpus, or start over without --resume")
         if block != current_block:
             yield from batches()
             position.blocks_done = block
@@ -263,8 +301,9 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
         if plan.max_tokens is not None and position.tokens >= plan.max_tokens:
             break
         position.documents += 1
-        position.corpus_digest = hashlib.sha256(
-            (position.corpus_digest + document_digest(document.id, document.text)).encode()).hexdigest()
+        digest = document_digest(document.id, document.text)
+        position.corpus_digest = hashlib.sha256((position.corpus_digest + digest).encode()).hexdigest()
+        position.read_digests.append(short_digest(digest))
         mine = plan.takes_block(block, rank, world)
         if not mine and plan.max_tokens is None:
             continue
@@ -285,4 +324,8 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
                 tuple(offsets[start:start + n]) if offsets is not None else None))
         if windows:
             block_windows.append(windows)
+    if checked < recorded and position.documents == recorded:
+        raise KvmemError(f"the corpus changed since the checkpoint: it ends after {checked} documents, and "
+                         f"{recorded} were read before; rerun on the original corpus, or start over without "
+                         f"--resume")
     yield from batches()

@@ -24,12 +24,16 @@ SETTINGS = ["--top-k", "4", "--window", "8", "--batch-size", "1", "--per-documen
             "--block-documents", "2", "--checkpoint-every", "10", "--quiet"]
 
 
-def assert_same_tables(a: Path, b: Path) -> None:
+def assert_same_tables(a: Path, b: Path, *, same_path: bool = True) -> None:
+    """Every table byte-identical, and the manifests equal but for timing (and the corpus path unless
+    ``same_path``: the same text read from a copy)."""
     for table in kvmem.schema.TABLES:
         assert (a / f"{table}.parquet").read_bytes() == (b / f"{table}.parquet").read_bytes(), table
     ma, mb = (json.loads((x / "manifest.json").read_text()) for x in (a, b))
     for manifest in (ma, mb):
         manifest.pop("timing")
+        if not same_path:
+            manifest["corpus"].pop("spec")
     assert ma == mb
 
 
@@ -97,17 +101,15 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus, whole, tmp_path, capsys):
-    out = tmp_path / "resumed"
-    argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
+def _kill_after_checkpointed_batches(argv: list[str], state: Path, batches: int = 8) -> None:
+    """Run ``kvmem ARGV`` (slowed) in a child, SIGKILL it once its checkpoint holds ``batches`` batches."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *argv], env=env, stderr=subprocess.PIPE, text=True)
-    state = tmp_path / "resumed.checkpoint" / "state.json"
     try:
         deadline = time.time() + 300
         while time.time() < deadline and process.poll() is None:
             try:
-                if json.loads(state.read_text())["batches"] >= 8:
+                if json.loads(state.read_text())["batches"] >= batches:
                     break
             except (FileNotFoundError, json.JSONDecodeError, KeyError):
                 pass
@@ -118,8 +120,16 @@ def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus
         process.kill()
         process.wait()
         process.stderr.close()
-    assert process.returncode == -signal.SIGKILL and not out.exists()
-    assert json.loads(state.read_text())["batches"] >= 8
+    assert process.returncode == -signal.SIGKILL
+    assert json.loads(state.read_text())["batches"] >= batches
+
+
+def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus, whole, tmp_path, capsys):
+    out = tmp_path / "resumed"
+    argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
+    state = tmp_path / "resumed.checkpoint" / "state.json"
+    _kill_after_checkpointed_batches(argv, state)
+    assert not out.exists()
     assert main([*argv, "--resume"]) == 0
     assert_same_tables(whole, out)
     assert not state.parent.exists()
@@ -128,6 +138,33 @@ def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus
     assert main([*argv[:6], str(tmp_path / "never"), *SETTINGS, "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing to resume" in err[0]
+
+
+def test_resume_refuses_a_corpus_changed_after_the_kill(gpt2_dir, corpus, whole, tmp_path, capsys):
+    """The documents of the blocks read before the kill are checked against their recorded digests: an edit
+    names the first changed document, a shortened corpus says so; restored, the resume ends as if never
+    interrupted."""
+    copy = tmp_path / "c.jsonl"
+    original = corpus.read_text()
+    copy.write_text(original)
+    out = tmp_path / "resumed"
+    argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(copy), "--out", str(out), *SETTINGS]
+    state = tmp_path / "resumed.checkpoint" / "state.json"
+    _kill_after_checkpointed_batches(argv, state)
+    assert json.loads(state.read_text())["position"]["documents"] >= 3
+    lines = original.splitlines()
+    edited = [*lines[:1], json.dumps({"text": json.loads(lines[1])["text"] + " (edited)"}), *lines[2:]]
+    capsys.readouterr()
+    for changed, expected in (("\n".join(edited), "document 1 ('c.jsonl:2') differs from the one read before"),
+                              (lines[0], "it ends after 1 documents")):
+        copy.write_text(changed)
+        assert main([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the corpus changed since the checkpoint" in err[0] and expected in err[0], err
+        assert not out.exists() and state.exists()  # nothing written, the checkpoint kept
+    copy.write_text(original)
+    assert main([*argv, "--resume"]) == 0
+    assert_same_tables(whole, out, same_path=False)
 
 
 KILL_IN_SAVE = """

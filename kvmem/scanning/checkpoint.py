@@ -16,7 +16,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from array import array
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from kvmem.errors import KvmemError
 from kvmem.plan import StreamPosition
@@ -27,6 +31,7 @@ __all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
 
 _VERSION = 2  # 2: the tensor file is named per generation in state.json
 META = "state.json"
+DIGESTS = "stream.read_digests"  # int64 [documents read]: kvmem.plan.short_digest of each
 
 
 def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
@@ -35,8 +40,9 @@ def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
         part, meta = layer_state.to_tensors(f"layer{layer}")
         tensors.update({name: t.cpu() for name, t in part.items()})
         layers[str(layer)] = meta
+    tensors[DIGESTS] = torch.from_numpy(np.frombuffer(state.position.read_digests, dtype=np.int64).copy())
     meta = {"kvmem_state": _VERSION, "header": header, "layers": layers, "layer_order": list(state.layers),
-            "position": vars(state.position), "tokens": state.tokens, "windows": state.windows,
+            "position": state.position.to_json(), "tokens": state.tokens, "windows": state.windows,
             "batches": state.batches, "seconds": state.seconds, "texts": state.texts.to_json()}
     return tensors, meta
 
@@ -54,17 +60,21 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) ->
         if differ:
             raise KvmemError(f"cannot resume from {where}: these settings differ from the checkpoint's: "
                              f"{', '.join(differ)}; rerun with the original settings or start over without --resume")
+    digests = tensors.pop(DIGESTS, None)
     tensors = {name: t.to(device) for name, t in tensors.items()}
     layers = [int(layer) for layer in meta["layer_order"]]
+    position = _position(meta["position"])
+    if digests is not None:
+        position.read_digests = array("q", digests.cpu().numpy().tobytes())
     return ScanState(layers, {layer: LayerState.from_tensors(f"layer{layer}", tensors, meta["layers"][str(layer)])
                               for layer in layers},
-                     TextStore.from_json(meta["texts"]), _position(meta["position"]), int(meta["tokens"]),
+                     TextStore.from_json(meta["texts"]), position, int(meta["tokens"]),
                      int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]))
 
 
 def _position(data: dict) -> StreamPosition:
     """The stream position of a saved state (fields a newer or older kvmem adds or drops are ignored)."""
-    known = set(StreamPosition.__dataclass_fields__)
+    known = set(StreamPosition.__dataclass_fields__) - {"read_digests"}
     return StreamPosition(**{k: v for k, v in data.items() if k in known})
 
 
