@@ -1,5 +1,5 @@
 """Write a directory so that readers see the old one or the complete new one, never half of it; read a
-parquet file that a writer may be replacing by rename."""
+parquet file that a writer may be replacing by rename; hold a lock on an output for one process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["read_replaced_parquet", "staged_directory"]
+from kvmem.errors import KvmemError
+
+__all__ = ["held_lock", "read_replaced_parquet", "staged_directory"]
 
 
 @contextmanager
@@ -50,3 +52,43 @@ def read_replaced_parquet(path: str | os.PathLike):
     import pyarrow.parquet as pq
 
     return pq.read_table(pa.BufferReader(Path(path).read_bytes()))
+
+
+@contextmanager
+def held_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock (``flock``) on the file ``path`` for the block, or raise
+    :class:`kvmem.errors.KvmemError` at once, naming the process that holds it.
+
+    ``what``: the thing the lock guards, for the message. The lock file holds the holder's pid and is
+    removed on exit; a lock file whose holder died is taken over (the kernel drops a dead process's lock).
+    """
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise KvmemError(f"{what} is in use by a running kvmem (pid {holder}); wait for it to finish, or "
+                             f"write somewhere else") from None
+        try:
+            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:  # not a file that its last holder removed between our open and our lock
+            break
+        handle.close()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        handle.close()

@@ -216,3 +216,32 @@ def test_kill_inside_a_checkpoint_write_resumes_from_the_previous_one(where, gpt
     assert main([*argv, "--resume"]) == 0
     assert_same_tables(whole, out)
     assert not checkpoint.exists()
+
+
+def test_a_second_scan_into_a_running_scans_out_is_refused(gpt2_dir, corpus, whole, tmp_path, capsys):
+    """Two real processes: while a (slowed) scan runs, another scan into the same --out, with or without
+    --overwrite or --resume, gets one line naming the running scan's pid and touches nothing; the first
+    finishes with the tables of an undisturbed scan, and its lock is gone."""
+    out = tmp_path / "atlas"
+    argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    first = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *argv], env=env, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / ".atlas.lock"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and first.poll() is None and not (lock.exists() and lock.read_text()):
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()[-2000:]
+        capsys.readouterr()
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            assert main([*argv, *extra]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"is in use by a running kvmem (pid {first.pid})" in err[0], err
+        assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    finally:
+        first.kill()
+        first.wait()
+        first.stderr.close()
+    assert_same_tables(whole, out)
+    assert not lock.exists()
+    assert main([*argv, "--overwrite"]) == 0  # free again

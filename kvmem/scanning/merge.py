@@ -38,6 +38,7 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     the vocabulary strings and value projections, which come from the per-model cache.
     """
     from kvmem.atlas import open_atlas
+    from kvmem.atomic import held_lock
     from kvmem.scanning.checkpoint import load_state
     from kvmem.scanning.progress import Phases
     from kvmem.scanning.writer import STATE_DIR, write_atlas
@@ -86,6 +87,7 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     config, plan = first.config, first.plan  # both record shard 0/1: a shard's part is in its timing
     corpus = {k: v for k, v in first.corpus.items() if k not in ("documents", "sha256_chain")}
     run = {"merged_from": [str(p) for p in paths], "shard_seconds": [m.timing.get("total_seconds") for m, _ in found]}
-    write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run,
-                backend=first.backend or "unrecorded")
+    with held_lock(target.with_name(f".{target.name}.lock"), f"the output {target}"):
+        write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run,
+                    backend=first.backend or "unrecorded")
     return open_atlas(target)

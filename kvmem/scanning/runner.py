@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmem.atlas import open_atlas
+from kvmem.atomic import held_lock
 from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
@@ -81,6 +82,8 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     :class:`ScanConfig` (layers, top_k, per_document, max_tokens, window, batch_size, ...).
     ``out``: the atlas directory (None: a temporary directory). An existing ``out`` is refused
     unless ``overwrite``; ``resume`` continues from ``out``'s checkpoint (``checkpoint_every``).
+    While a scan runs it holds a lock on ``out`` (the file ``.NAME.lock`` beside it), and a second
+    scan into the same ``out`` is refused in one line.
     ``backend``: the streaming backend (``torch`` or ``numba``; None: ``KVMEM_KERNELS``, else
     numba on a CPU, see :func:`kvmem.scanning.backends.select_backend`), recorded in the manifest.
     Under ``torchrun`` every rank calls this; rank 0 writes the atlas and returns it, the
@@ -94,6 +97,14 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     phases = Phases(progress and rank == 0)  # one set of bars, rank 0's
 
     target = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvmem-atlas-")) / "atlas"
+    lock = target.with_name(f".{target.name}{f'.rank{rank}' if world > 1 else ''}.lock")
+    with held_lock(lock, f"the output {target}"):  # one scan at a time per --out (and rank)
+        return _scan_into(target, model, corpus, config, layers, plan, phases, rank=rank, world=world,
+                          overwrite=overwrite, resume=resume, backend=backend)
+
+
+def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, layers: list[int], plan: TokenPlan,
+               phases: Phases, *, rank: int, world: int, overwrite: bool, resume: bool, backend: str | None):
     checkpoint = target.with_name(target.name + (f".rank{rank}" if world > 1 else "") + ".checkpoint")
     if target.exists() and not overwrite:
         raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
