@@ -16,7 +16,12 @@ from kvmem.scanning.step import close_open_document, fold_batch
 
 NUMBA = select_backend("cpu", "numba")
 TORCH = select_backend("cpu", "torch")
-pytestmark = pytest.mark.skipif(NUMBA.name != "numba", reason="numba is a dependency; installed by .ci/run")
+
+
+@pytest.fixture(autouse=True)
+def numba_is_usable():
+    """numba is a dependency (pyproject.toml): where it cannot load, every test here fails, none skips."""
+    assert NUMBA.name == "numba", "the numba backend did not load (see the RuntimeWarning above); kvmem needs it"
 
 
 def special_values(rng, n: int, d_ff: int) -> np.ndarray:
@@ -186,3 +191,43 @@ def test_kernels_load_from_the_disk_cache(tmp_path):
             for _ in range(2)]
     misses, hits = map(int, runs[1].stdout.split())
     assert (misses, hits) == (0, 4), runs[1].stdout
+
+
+CACHE_CANNOT_BE_SAVED = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from kvmem.scanning.backends import select_backend
+    chosen = [select_backend("cpu").name, select_backend("cpu").name]
+print(json.dumps({"chosen": chosen, "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_a_numba_cache_that_cannot_be_saved_falls_back_with_one_warning(tmp_path):
+    """A real fault: in a fresh process whose files may not grow past 16 KiB (RLIMIT_FSIZE, SIGXFSZ
+    ignored, so writes fail with EFBIG), numba compiles the kernels into an empty NUMBA_CACHE_DIR and its
+    save raises. The selector falls back to the torch backend with exactly one warning, however often it
+    is asked."""
+    import json
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def no_file_may_grow() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"), "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("KVMEM_KERNELS", None)
+    result = subprocess.run([sys.executable, "-c", CACHE_CANNOT_BE_SAVED], env=env, capture_output=True, text=True,
+                            preexec_fn=no_file_may_grow, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["chosen"] == ["torch", "torch"]
+    assert len(got["warnings"]) == 1, got["warnings"]
+    assert "compiled CPU kernels are unavailable" in got["warnings"][0] and "NUMBA_CACHE_DIR" in got["warnings"][0]
