@@ -26,8 +26,10 @@ import hashlib
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 from kvmem.errors import KvmemError
+from kvmem.tokenization import CHUNK, encoder, token_pieces
 
 __all__ = ["TokenPlan", "Batch", "WindowText", "pack", "unpack", "window_key", "iterate_batches", "DEFAULT_WINDOW",
            "DEFAULT_BLOCK_DOCUMENTS", "document_digest", "RULE"]
@@ -228,15 +230,46 @@ def _check_unchanged(document, checked: int, position: StreamPosition) -> None:
                          f"without --resume")
 
 
-def _encoder(tokenizer) -> Callable[[str], tuple[list[int], list[tuple[int, int]] | None]]:
-    if getattr(tokenizer, "is_fast", False):
-        def encode(text: str):
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            return encoded["input_ids"], [tuple(o) for o in encoded["offset_mapping"]]
-    else:
-        def encode(text: str):
-            return tokenizer(text, add_special_tokens=False)["input_ids"], None
-    return encode
+class _ReadDocument:
+    """One document of a block, its windows made when they are read (see :func:`iterate_batches`).
+
+    A document that fits one tokenizer piece keeps its ids and offsets; a longer one keeps
+    only its token count and is tokenized again, piece by piece, when its windows are read, so its
+    memory is a piece and a batch, whatever its length.
+    """
+
+    def __init__(self, document, tokens: int, window: int, pieces: Callable[[], Iterator], kept=None):
+        self.document, self.tokens, self.window = document, tokens, window
+        self._pieces, self._kept = pieces, kept
+
+    def windows(self) -> Iterator[WindowText]:
+        pieces = iter([self._kept] if self._kept is not None else self._pieces())
+        w, total, doc = self.window, self.tokens, self.document
+        ids: list[int] = []
+        offsets: list | None = []
+        at = 0  # ids[at] is the token at document position `base`
+        base = 0
+        while base < total:
+            n = min(w, total - base)
+            while len(ids) - at <= n:  # the window and the token after it (if the document has one)
+                piece = next(pieces, None)
+                if piece is None:
+                    break
+                if at > len(ids) // 2:  # drop what was read, now and then (cheap: amortised)
+                    del ids[:at]
+                    if offsets is not None:
+                        del offsets[:at]
+                    at = 0
+                ids.extend(piece[0])
+                if piece[1] is None:
+                    offsets = None
+                elif offsets is not None:
+                    offsets.extend(piece[1])
+            following = ids[at + n] if len(ids) - at > n else -1
+            yield WindowText(doc.index, doc.id, base, tuple(ids[at:at + n]), following, doc.text,
+                             tuple(offsets[at:at + n]) if offsets is not None else None)
+            at += n
+            base += n
 
 
 def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosition, *, rank: int = 0,
@@ -246,24 +279,26 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
     ``on_block_end(block)`` is called each time every block before ``block`` is complete (after
     the last batch of those blocks was yielded and consumed), so the caller can checkpoint there.
     ``position`` is updated in place as documents are read. Documents of blocks before
-    ``position.blocks_done`` are skipped without tokenizing them. Foreign blocks are tokenized
-    only when ``max_tokens`` needs their counts.
+    ``position.blocks_done`` are skipped without tokenizing them (each is checked against its
+    recorded digest). Foreign blocks are tokenized only when ``max_tokens`` needs their counts. A
+    document longer than two tokenizer pieces (:mod:`kvmem.tokenization`) is held as its token count
+    and tokenized again, piece by piece, as its windows are read: memory stays bounded by a piece and
+    a batch, however long the document.
     """
-    encode = _encoder(tokenizer)
+    encode = encoder(tokenizer)
     block_docs = plan.block_documents
     current_block = position.blocks_done
-    block_windows: list[list[WindowText]] = []  # this block's documents (their windows), in corpus order
+    block_reads: list[_ReadDocument] = []  # this block's documents (of this process), in corpus order
     last_code = -1  # the highest code read so far by this process
 
     def batches() -> Iterator[Batch]:
-        nonlocal block_windows, last_code
-        order = sorted(block_windows, key=lambda ws: sum(len(w.tokens) for w in ws)) if plan.sort_by_length \
-            else block_windows
-        block_windows = []
+        nonlocal block_reads
+        order = sorted(block_reads, key=lambda r: r.tokens) if plan.sort_by_length else block_reads
+        block_reads = []
         budget = plan.batch_size * plan.window  # padded positions per forward
         pending: list[WindowText] = []
         longest = 0
-        for window in (w for ws in order for w in ws):
+        for window in (w for read in order for w in read.windows()):
             n = len(window.tokens)
             if pending and (len(pending) + 1) * max(longest, n) > budget:
                 yield _batch(pending)
@@ -307,23 +342,18 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
         mine = plan.takes_block(block, rank, world)
         if not mine and plan.max_tokens is None:
             continue
-        ids, offsets = encode(document.text)
-        windows = []
-        for start in range(0, len(ids), plan.window):
-            n = min(plan.window, len(ids) - start)
-            if plan.max_tokens is not None:
-                n = min(n, plan.max_tokens - position.tokens)
-                if n <= 0:
-                    break
-            position.tokens += n
-            if not mine:
-                continue
-            following = ids[start + n] if start + n < len(ids) else -1
-            windows.append(WindowText(
-                document.index, document.id, start, tuple(ids[start:start + n]), following, document.text,
-                tuple(offsets[start:start + n]) if offsets is not None else None))
-        if windows:
-            block_windows.append(windows)
+        text = document.text
+        pieces = partial(token_pieces, encode, text, chunk=CHUNK)
+        if len(text) <= 2 * CHUNK:  # one piece (kvmem.tokenization): kept, not tokenized twice
+            kept = encode(text)
+            count = len(kept[0])
+        else:  # counted now, tokenized again piece by piece when its windows are read
+            kept, count = None, sum(len(ids) for ids, _ in pieces())
+        if plan.max_tokens is not None:
+            count = min(count, max(0, plan.max_tokens - position.tokens))
+        position.tokens += count
+        if mine and count:
+            block_reads.append(_ReadDocument(document, count, plan.window, pieces, kept))
     if checked < recorded and position.documents == recorded:
         raise KvmemError(f"the corpus changed since the checkpoint: it ends after {checked} documents, and "
                          f"{recorded} were read before; rerun on the original corpus, or start over without "

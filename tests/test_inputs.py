@@ -190,13 +190,11 @@ def _peak_growth(gpt2_dir, tokens: int) -> dict:
 @pytest.mark.slow
 def test_a_million_token_document_keeps_memory_bounded_by_the_window(gpt2_dir):
     """Peak RSS growth while scanning one document of ~1M tokens, against one of ~100k, each in a fresh
-    process. The streaming state does not grow with the document; its text, its token ids and offsets
-    (the tokenizer's output) and its windows (held until the document's block ends) do: measured about
-    0.4 KB a token here (about 0.4 GB at 1M tokens), so memory is linear in the document, not bounded by
-    the window. The bound, 1.5 KB a token, is generous for that and is exceeded by a state that keeps
-    anything per token and neuron (one float per neuron of the layer is another 1 KB a token)."""
+    process. A long document is tokenized in pieces and its windows are made as they are read
+    (kvmem.tokenization, kvmem.plan), so ten times the tokens cost no more memory: measured here, 64 MB
+    of growth at 100k tokens and 37 MB at 1M (allocator noise of some tens of MB either way). Holding the
+    document's tokens, offsets and windows, as kvmem did before, cost about 0.4 KB a token (+360 MB)."""
     small = _peak_growth(gpt2_dir, 100_000)
     large = _peak_growth(gpt2_dir, 1_000_000)
     assert small["scanned"] == small["tokens"] > 90_000 and large["scanned"] == large["tokens"] > 900_000
-    per_token = (large["growth"] - small["growth"]) / (large["tokens"] - small["tokens"])
-    assert per_token < 1500, (small, large, per_token)
+    assert large["growth"] < small["growth"] + 48 * 2**20, (small, large)
