@@ -46,11 +46,14 @@ class Side:
     [k, F] int64 (row 0 is all NaN), so reordering entries moves one integer each, not C floats.
     A backend that inserts entries moves values, codes and slots together, and appends the new
     entries' context with :meth:`add_context`. The pool is compacted to the live rows when it fills.
+    ``full`` is a host-side note that every neuron holds k entries (once true it stays true), so a
+    backend asks the device at most until then.
     """
 
     def __init__(self, values: Tensor, codes: Tensor, context: Tensor, largest: bool):
         k, d_ff, width = context.shape
         self.values, self.codes, self.largest = values, codes, largest
+        self.full = False
         self._pool = torch.cat([torch.full((1, width), float("nan"), dtype=torch.float32, device=values.device),
                                 context.reshape(k * d_ff, width).float()])  # grows on the first add_context
         self._used = 1 + k * d_ff

@@ -126,7 +126,9 @@ def stream_side(side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, 
     block maxima (top) or minima (bottom) (:class:`BatchStatistics`)."""
     k, d_ff = side.values.shape
     threshold = side.threshold()
-    if acts.shape[0] > k and bool(torch.isinf(threshold).any()):  # not yet full: cut to this batch's k best
+    if not side.full:  # one question to the device per batch until every neuron holds k entries
+        side.full = not bool(torch.isinf(threshold).any())
+    if acts.shape[0] > k and not side.full:  # not yet full: cut to this batch's k best
         mask = acts > threshold if side.largest else acts < threshold  # [N, F]
         kth = torch.topk(acts, k, dim=0, largest=side.largest, sorted=False).values
         mask &= (acts >= kth.min(0).values) if side.largest else (acts <= kth.max(0).values)
@@ -148,12 +150,13 @@ def fold(side: Side, rows: Tensor, neurons: Tensor, values: Tensor, codes: Tenso
     if c == 0:
         return
     device = rows.device
-    columns, counts = torch.unique_consecutive(neurons, return_counts=True)  # [U] neurons with candidates
-    width = columns.numel()
-    column = torch.repeat_interleave(torch.arange(width, device=device), counts)  # [c]
-    rank = torch.arange(c, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    per_neuron = torch.bincount(neurons, minlength=side.values.shape[1])  # [F]
+    width, depth = torch.stack([(per_neuron > 0).sum(), per_neuron.max()]).tolist()  # one read for both sizes
+    columns = _nonzero(per_neuron, width)  # [U] neurons with candidates, ascending (as the groups come)
+    counts = per_neuron.index_select(0, columns)
+    column = torch.repeat_interleave(torch.arange(width, device=device), counts, output_size=c)  # [c]
+    rank = torch.arange(c, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=c)
     at = rank * width + column  # flat place in the [depth, U] candidate arrays
-    depth = int(counts.max())
     fill = float("-inf") if side.largest else float("inf")
     new_values = torch.full((depth * width,), fill, dtype=torch.float32, device=device).index_copy_(0, at, values)
     new_codes = torch.full((depth * width,), EMPTY, dtype=torch.int64, device=device).index_copy_(0, at, codes)
@@ -161,6 +164,15 @@ def fold(side: Side, rows: Tensor, neurons: Tensor, values: Tensor, codes: Tenso
     slots.index_copy_(0, at, side.add_context(context_of(rows, neurons)))
     _insert(side, new_values.view(depth, width), new_codes.view(depth, width), slots.view(depth, width),
                 None if width == side.values.shape[1] else columns, ordered=ordered)
+
+
+def _nonzero(flags: Tensor, count: int) -> Tensor:
+    """Indices [count] of the nonzero entries of the 1-d ``flags``, whose number the caller knows: no
+    device-to-host read (``nonzero`` asks the device for the size)."""
+    try:
+        return torch.nonzero_static(flags, size=count).squeeze(1)
+    except (NotImplementedError, RuntimeError):  # a device without nonzero_static
+        return flags.nonzero().squeeze(1)
 
 
 def fold_entries(side: Side, values: Tensor, codes: Tensor, context_of: ContextFn, ordered: bool) -> None:
