@@ -20,7 +20,7 @@ from kvmem.scanning.texts import TextStore
 
 __all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
 
-_VERSION = 1
+_VERSION = 2  # 2: the taxonomy's sums (position sums, gate/up quadrants, unigram counts)
 
 
 def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
@@ -29,6 +29,8 @@ def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
         part, meta = layer_state.to_tensors(f"layer{layer}")
         tensors.update({name: t.cpu() for name, t in part.items()})
         layers[str(layer)] = meta
+    if state.unigrams is not None:
+        tensors["unigrams"] = state.unigrams.cpu()
     meta = {"kvmem_state": _VERSION, "header": header, "layers": layers, "layer_order": list(state.layers),
             "position": vars(state.position), "tokens": state.tokens, "windows": state.windows,
             "batches": state.batches, "seconds": state.seconds, "texts": state.texts.to_json()}
@@ -53,7 +55,7 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) ->
     return ScanState(layers, {layer: LayerState.from_tensors(f"layer{layer}", tensors, meta["layers"][str(layer)])
                               for layer in layers},
                      TextStore.from_json(meta["texts"]), _position(meta["position"]), int(meta["tokens"]),
-                     int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]))
+                     int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]), tensors.get("unigrams"))
 
 
 def _position(data: dict) -> StreamPosition:

@@ -59,6 +59,7 @@ class NumbaBackend(TorchBackend):
         self.fold_documents([(state.doc_top, None)], acts, codes, starts, lengths, no_context, True)
         rows = torch.arange(4)
         self.bin_sample(state.bins, acts, rows, keys_or_none(codes, 0), codes)
+        self.quadrant_counts(torch.zeros(4, 4, dtype=torch.int64), acts, -acts)
 
     @torch.inference_mode()
     def statistics(self, acts: Tensor, histogram: Tensor, positive: Tensor) -> BatchStatistics:
@@ -119,6 +120,14 @@ class NumbaBackend(TorchBackend):
         _add_context(side, entered, context_of)
         neurons = torch.arange(d_ff)
         return Side(last_value[None], last_code[None], context_of(last_row, neurons)[None], side.largest)
+
+    def quadrant_counts(self, counts: Tensor, gate: Tensor, up: Tensor) -> None:
+        """One read of gate and up per neuron strip; integer counts, so the same as the torch backend's.
+        (``position_product`` is the torch backend's own code, inherited: the same bits on a CPU.)"""
+        self._threads()
+        if not counts.is_contiguous():
+            raise ValueError("quadrant counts must be contiguous")
+        self._kernels.quadrant_counts(gate.float().contiguous().numpy(), up.float().contiguous().numpy(), counts.numpy())
 
     def bin_sample(self, sample: BinSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor) -> None:
         """Each neuron inserts every position whose key is under its bin's q-th kept one."""
