@@ -211,6 +211,6 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
                            seed=config.seed, samples=bool(config.random_samples or config.bin_samples),
                            device=model.device)
     step = BatchStep(backend, state, rows, with_context=config.context_activations, index=state.batches)
-    capture_coefficients(model, rows.ids, state.layers, step.layer,
-                         on_gate_up=step.gate_up if step.wants_gate_up else None)
+    gate_up = {"on_gate_up": step.gate_up} if step.wants_gate_up else {}  # the taxonomy's quadrants (gated FFNs)
+    capture_coefficients(model, rows.ids, state.layers, step.layer, **gate_up)
     step.finish()
