@@ -6,7 +6,8 @@ coefficient of an [N, F] batch. In eager torch they take a dozen passes over it,
 serial (the histogram is a scatter); the kernels read each coefficient once, in neuron strips
 spread over the cores. numba compiles them once per install and caches them on disk; a scan
 loads them in its 'kernels' phase (:meth:`NumbaBackend.prepare`). The rest of the step (the
-random sample, closing a document) is the torch backend's, inherited.
+random sample, closing a document, the taxonomy's Σ m·position) is the torch backend's, inherited;
+the taxonomy's gate/up quadrant counts have a kernel of their own (integers: the same counts).
 
 Against the torch backend: the same histogram, counts, extremes, kept entries and samples to the
 bit; the sums differ only in rounding (float64 along the rows here, float32 blocks of 32 rows then
