@@ -248,6 +248,10 @@ def test_unknown_convention_and_thresholds_off_the_bin_edges_are_refused(llama_m
         Thresholds(active_edge=0.3)
     with pytest.raises(KvmemError, match="lie in"):
         Thresholds(rare_frequency=2.0)
+    with pytest.raises(KvmemError, match="lie in"):
+        Thresholds(unigram_alignment=1.5)
+    with pytest.raises(KvmemError, match="unigram_min_count must be an integer >= 1"):
+        Thresholds(unigram_min_count=0)
     assert Thresholds(active_edge=MAGNITUDE_EDGES[3]).active_edge == 1.5 * 2.0 ** -6
 
 

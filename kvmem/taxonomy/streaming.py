@@ -43,11 +43,12 @@ def position_correlation(neurons: pd.DataFrame) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_m = neurons.act_sum.to_numpy(np.float64) / n
         var_m = np.maximum(neurons.act_sq_sum.to_numpy(np.float64) / n - mean_m * mean_m, 0.0)
-        counts = neurons["count"].to_numpy(np.int64)
         p_sum = neurons.position_sum.to_numpy(np.float64, na_value=np.nan)
-        exact = [int(c) * int(q) - int(s) ** 2 if np.isfinite(s) else np.nan  # n Σp² − (Σp)², in Python integers
-                 for c, s, q in zip(counts, p_sum, neurons.position_sq_sum.to_numpy(np.float64, na_value=np.nan))]
-        var_p = np.asarray(exact, np.float64) / (n * n)
+        var_p = np.full(len(neurons), np.nan)
+        if neurons.position_sum.notna().all():  # n Σp² − (Σp)² in Python integers (int64 columns, exact)
+            exact = [int(c) * int(q) - int(s) ** 2 for c, s, q in
+                     zip(neurons["count"], neurons.position_sum.astype(np.int64), neurons.position_sq_sum.astype(np.int64))]
+            var_p = np.asarray(exact, np.float64) / (n * n)
         cov = neurons.position_act_sum.to_numpy(np.float64, na_value=np.nan) / n - mean_m * (p_sum / n)
         r = cov / np.sqrt(var_m * var_p)
     return np.where((var_m > 0) & (var_p > 0), r, np.nan)
