@@ -5,6 +5,14 @@
     python docs/taxonomy_findings.py --atlas ATLAS --out docs/figures
 
 Writes PNGs (taxonomy_*.png) and taxonomy_findings.json (every number quoted in docs/taxonomy.md) under --out.
+
+The scan-time findings (gate/up quadrants, positional and token-frequency neurons) scan their own small atlas
+(a few minutes on 2 cores) and need no taxonomy file:
+
+    python docs/taxonomy_findings.py --scan-sums --tokens 30000 --out docs/figures
+
+They write taxonomy_quadrants.png, taxonomy_positional.png, taxonomy_token_frequency.png and
+taxonomy_scan_findings.json.
 Intervals are 95% percentile bootstraps (kvmem.experiments.stats.bootstrap_ci): over a layer's neurons for the
 per-layer shares, over positions for the ablation effects.
 """
@@ -127,9 +135,128 @@ def ablations(atlas, frame, *, layers, candidates: int, random: int, n_windows: 
     return out
 
 
+QUADRANT_NAMES = {"quadrant_pp": "gate > 0, up > 0", "quadrant_pn": "gate > 0, up ≤ 0",
+                  "quadrant_np": "gate ≤ 0, up > 0", "quadrant_nn": "gate ≤ 0, up ≤ 0"}
+
+
+def _null_alignment(model, seen, direction, *, draws: int, seed: int) -> np.ndarray:
+    """|unigram alignment| of ``draws`` isotropic Gaussian directions through the same W_U and unigram direction."""
+    import torch
+
+    from kvmem.taxonomy.streaming import unigram_alignment
+
+    generator = torch.Generator().manual_seed(seed)
+    vectors = torch.randn(draws, model.d_model, generator=generator, dtype=torch.float64)
+    return np.abs(unigram_alignment(vectors, model.unembedding(), seen, direction))
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    keep = np.isfinite(a) & np.isfinite(b)
+    ranks = [np.argsort(np.argsort(x[keep])).astype(np.float64) for x in (a, b)]
+    return float(np.corrcoef(*ranks)[0, 1])
+
+
+def scan_findings(*, model_name: str, corpus: str, tokens: int, out: Path, draws: int, seed: int) -> dict:
+    """Scan ``tokens`` tokens of ``corpus`` with the taxonomy sums, and summarise quadrants, positional and
+    token-frequency neurons per layer (95% bootstrap intervals over the layer's neurons)."""
+    import tempfile
+    import time
+
+    import matplotlib
+    import torch
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvmem.plots import NEGATIVE, POSITIVE, plot_taxonomy
+    from kvmem.taxonomy import Thresholds
+    from kvmem.taxonomy.streaming import frequency_direction, scan_columns
+    from kvmem.taxonomy.weights import value_vectors
+
+    model = kvmem.load_model(model_name)
+    thresholds = Thresholds()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        atlas = kvmem.scan(model, corpus, out=Path(tmp) / "atlas", max_tokens=tokens, top_k=5, random_samples=0,
+                           bin_samples=0, context_activations=False, key_projections=False, conventions=("raw",),
+                           top_n=5, progress=False)
+        scan_seconds = time.perf_counter() - start
+        frame, meta = scan_columns(atlas, model, thresholds, value_vectors=value_vectors)
+        manifest = atlas.manifest
+        counts = atlas.table("unigrams").sort_values("token_id")["count"].to_numpy(np.int64)
+    with torch.no_grad():  # the weight cosines GLUScope relates to the gate's sign
+        cosines = []
+        for layer in sorted(frame.layer.unique()):
+            values = value_vectors(model, int(layer)).double()
+            for name, keys in (("cos_gate_value", model.gate_keys(int(layer))), ("cos_key_value", model.keys(int(layer)))):
+                keys = keys.double()
+                cosines.append((int(layer), name, ((keys * values).sum(1) / (keys.norm(dim=1) * values.norm(dim=1))).numpy()))
+    for name in ("cos_gate_value", "cos_key_value"):
+        frame[name] = np.concatenate([c for _, n, c in cosines if n == name])
+    frame["gate_positive"] = frame.quadrant_pp + frame.quadrant_pn
+    seen, direction = frequency_direction(counts, thresholds.unigram_min_count)
+    null = _null_alignment(model, seen, direction, draws=draws, seed=seed)
+    null_99 = float(np.quantile(null, 0.99))
+    frame["beyond_null"] = np.abs(frame.unigram_alignment) > null_99
+    frame["abs_position_correlation"] = frame.position_correlation.abs()
+    frame["abs_unigram_alignment"] = frame.unigram_alignment.abs()
+
+    per_layer: dict = {}
+    for column in (*QUADRANT_NAMES, "gate_positive", "positional", "token_frequency", "beyond_null"):
+        per_layer[column] = layer_summary(frame, column, seed=seed).round(5).to_dict(orient="records")
+    for column in ("abs_position_correlation", "abs_unigram_alignment"):
+        per_layer[f"median_{column}"] = layer_summary(frame, column, statistic="median", seed=seed).round(5).to_dict(
+            orient="records")
+    per_layer["spearman_gate_positive_vs_cos_gate_value"] = [
+        {"layer": int(layer), "value": round(_spearman(part.cos_gate_value.to_numpy(), part.gate_positive.to_numpy()), 4)}
+        for layer, part in frame.groupby("layer")]
+    per_layer["spearman_gate_positive_vs_cos_key_value"] = [
+        {"layer": int(layer), "value": round(_spearman(part.cos_key_value.to_numpy(), part.gate_positive.to_numpy()), 4)}
+        for layer, part in frame.groupby("layer")]
+    top = lambda column, n=8: (frame.reindex(frame[column].abs().sort_values(ascending=False).index)  # noqa: E731
+                               .head(n)[["layer", "neuron", column]].round(4).to_dict(orient="records"))
+    results = {"model": model.name, "fingerprint": model.fingerprint, "corpus": manifest.corpus.get("spec"),
+               "tokens": manifest.tokens, "window": manifest.plan.window, "kvmem_version": manifest.kvmem_version,
+               "scan_seconds": round(scan_seconds, 1), "thresholds": thresholds.to_dict(), "unigrams": meta,
+               "null_alignment": {"draws": draws, "seed": seed, "q99": round(null_99, 4),
+                                  "median": round(float(np.median(null)), 4)},
+               "totals": {name: int(frame[name].sum()) for name in ("positional", "token_frequency", "beyond_null")},
+               "pooled_quadrants": {name: round(float(frame[name].mean()), 5) for name in QUADRANT_NAMES},
+               "spearman_gate_positive_vs_cos_gate_value_all": round(_spearman(frame.cos_gate_value.to_numpy(),
+                                                                               frame.gate_positive.to_numpy()), 4),
+               "spearman_gate_positive_vs_cos_key_value_all": round(_spearman(frame.cos_key_value.to_numpy(),
+                                                                              frame.gate_positive.to_numpy()), 4),
+               "top_positional": top("position_correlation"), "top_token_frequency": top("unigram_alignment"),
+               "per_layer": per_layer}
+
+    colors = [POSITIVE, NEGATIVE, "#7a7a7a", "#c49a00"]
+    fig, ax = plt.subplots(figsize=(5.0, 2.8), layout="constrained")
+    for (column, label), color in zip(QUADRANT_NAMES.items(), colors):
+        plot_taxonomy(frame, column=column, statistic="mean", ax=ax, color=color, label=label)
+    ax.set_ylabel("mean share of positions")
+    fig.savefig(out / "taxonomy_quadrants.png", dpi=120)
+    plt.close(fig)
+    for name, columns in (("taxonomy_positional.png", [("positional", POSITIVE)]),
+                          ("taxonomy_token_frequency.png", [("token_frequency", POSITIVE), ("beyond_null", NEGATIVE)])):
+        fig, axes = plt.subplots(1, 2, figsize=(8.0, 2.8), layout="constrained")
+        for column, color in columns:
+            plot_taxonomy(frame, column=column, ax=axes[0], color=color)
+        value = "abs_position_correlation" if "positional" in name else "abs_unigram_alignment"
+        plot_taxonomy(frame, column=value, statistic="median", ax=axes[1], color=NEGATIVE)
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--atlas", required=True)
+    parser.add_argument("--atlas", help="the atlas with a taxonomy table (not with --scan-sums)")
+    parser.add_argument("--scan-sums", action="store_true",
+                        help="the scan-time findings instead: scan --model over --corpus (--tokens) and summarise")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--corpus", default="pydoc")
+    parser.add_argument("--tokens", type=int, default=30000)
+    parser.add_argument("--null-draws", type=int, default=2000, help="random directions of the alignment's null")
     parser.add_argument("--out", default="docs/figures")
     parser.add_argument("--layers", default=None, help="layers of the ablations (default: the last two)")
     parser.add_argument("--candidates", type=int, default=3)
@@ -140,6 +267,17 @@ def main(argv=None) -> int:
     parser.add_argument("--no-ablations", action="store_true",
                         help="figures and shares only; ablations already in --out's JSON are kept")
     args = parser.parse_args(argv)
+    if args.scan_sums:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        results = scan_findings(model_name=args.model, corpus=args.corpus, tokens=args.tokens, out=out,
+                                draws=args.null_draws, seed=args.seed)
+        (out / "taxonomy_scan_findings.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+        print(f"wrote {out}/taxonomy_{{quadrants,positional,token_frequency}}.png and "
+              f"{out}/taxonomy_scan_findings.json")
+        return 0
+    if not args.atlas:
+        parser.error("--atlas is required (or pass --scan-sums)")
     atlas = kvmem.open(args.atlas)
     frame = atlas.taxonomy.copy()
     frame["enrich_gate"] = frame.cos_gate_value > 0  # NaN (a plain FFN) compares False; such models have no gate

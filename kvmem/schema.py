@@ -10,6 +10,7 @@ An atlas is a directory:
     keys.parquet       key vectors projected through the input embedding
     histograms.parquet per-neuron coefficient histograms over fixed bins (edges in the manifest)
     samples.parquet    random and per-bin samples: (doc, pos) and coefficients
+    unigrams.parquet   the corpus's exact unigram counts over the scored positions (format 4)
 
 Texts are stored once per position: a trigger or sample row references its context by (doc, pos),
 and :mod:`kvmem.atlas` joins the two, so ``atlas.triggers(...)`` returns the columns of
@@ -29,10 +30,12 @@ __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "TABLES", "COLUMNS", "ROW_GROU
 #    phase; a shard atlas keeps its mergeable state in state/. Tables are unchanged from 1.
 # 3: texts once per position: triggers and samples reference the ``contexts`` table by (doc, pos)
 #    (format 2 kept the text in every trigger row and a ``sample_contexts`` table for the samples).
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: the neuron taxonomy's streaming sums: neurons gain position_act_sum, position_sum, position_sq_sum and
+#    the gate/up sign-quadrant counts; triggers gain gate_pre and up_pre; a unigrams table.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 ROW_GROUP_NEURONS = 64
-TABLES = ("neurons", "triggers", "contexts", "values", "keys", "histograms", "samples")
+TABLES = ("neurons", "triggers", "contexts", "values", "keys", "histograms", "samples", "unigrams")
 SAMPLE_KINDS = ("random", "bin")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
@@ -54,6 +57,13 @@ COLUMNS: dict[str, dict[str, str]] = {
         "key_norm": "float32, ||k_i|| (W1 row, W_up row when gated)",
         "gate_norm": "float32, ||g_i|| (W_gate row), NaN for a plain FFN",
         "value_norm": "float32, ||w_i||: the norm of what neuron i writes into the residual (Model.written_values; ||v_i|| but on post-norm or scaled FFNs)",
+        "position_act_sum": "float64, sum of m_i * p, p the position in the window (0 = its first scored token); null when the scan kept no taxonomy sums",
+        "position_sum": "int64, sum of p over the positions (the same for every neuron); null likewise",
+        "position_sq_sum": "int64, sum of p^2 (the same for every neuron); null likewise",
+        "quadrant_pp": "int64, positions with gate pre-activation > 0 and up pre-activation > 0 (gated FFNs; null otherwise)",
+        "quadrant_pn": "int64, positions with gate > 0 and up <= 0",
+        "quadrant_np": "int64, positions with gate <= 0 and up > 0",
+        "quadrant_nn": "int64, positions with gate <= 0 and up <= 0",
     },
     "triggers": {
         "layer": "int16",
@@ -64,6 +74,8 @@ COLUMNS: dict[str, dict[str, str]] = {
         "doc": "int64, index of the document in the corpus stream (with pos: the row of contexts)",
         "pos": "int32, token position within the document's token sequence",
         "context_activations": "list<float32>, m_i of this neuron at each context token (empty if not computed)",
+        "gate_pre": "float32, the gate pre-activation W_gate x at this position (gated FFNs with taxonomy sums; NaN otherwise)",
+        "up_pre": "float32, the up pre-activation W_up x at this position (likewise)",
     },
     "contexts": {
         "doc": "int64, index of the document in the corpus stream",
@@ -115,6 +127,10 @@ COLUMNS: dict[str, dict[str, str]] = {
         "neuron": "int32",
         "counts": "list<int64> of length HIST_BINS, counts per bin (edges in manifest['histogram']['edges'])",
     },
+    "unigrams": {
+        "token_id": "int32, every id of the model's vocabulary, ascending",
+        "count": "int64, scored positions holding this token (BOS and padding are never scored); empty table when the scan kept no taxonomy sums",
+    },
 }
 
 
@@ -123,7 +139,7 @@ CONTEXT_TEXT = tuple(name for name in COLUMNS["contexts"] if name not in CONTEXT
 # the frames atlas.triggers / atlas.samples return: the table's columns with its context's, in this order
 TRIGGER_VIEW = ("layer", "neuron", "kind", "rank", "activation", "doc", "doc_id", "pos", "token_id", "token",
                 "next_token_id", "next_token", "context", "span_start", "span_end", "context_tokens",
-                "context_trigger", "context_activations")
+                "context_trigger", "context_activations", "gate_pre", "up_pre")
 SAMPLE_VIEW = (*COLUMNS["samples"], *CONTEXT_TEXT)
 
 

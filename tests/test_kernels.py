@@ -190,7 +190,9 @@ def test_kernels_load_from_the_disk_cache(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
             for _ in range(2)]
     misses, hits = map(int, runs[1].stdout.split())
-    assert (misses, hits) == (0, 4), runs[1].stdout
+    from kvmem.scanning.backends import numba_kernels
+
+    assert (misses, hits) == (0, len(numba_kernels.__all__)), runs[1].stdout  # every kernel from the cache
 
 
 CACHE_CANNOT_BE_SAVED = """

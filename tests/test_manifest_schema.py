@@ -10,7 +10,7 @@ from conftest import SHORT_DOCS
 
 import kvmem
 from kvmem.manifest import Manifest
-from kvmem.schema import COLUMNS, TABLES, arrow_schema, conform
+from kvmem.schema import COLUMNS, FORMAT_VERSION, TABLES, arrow_schema, conform
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def small_atlas(gpt2_model, tmp_path_factory):
 
 def test_manifest_round_trip_and_typed_views(small_atlas, tmp_path):
     manifest = small_atlas.manifest
-    assert isinstance(manifest, Manifest) and manifest.format_version == 3
+    assert isinstance(manifest, Manifest) and manifest.format_version == FORMAT_VERSION
     assert manifest.plan.window == 8 and manifest.config.top_k == 2 and manifest.shard == (0, 1)
     manifest.write(tmp_path / "m.json")
     assert Manifest.read(tmp_path / "m.json") == manifest
@@ -50,7 +50,7 @@ def test_bad_manifests_get_one_line(small_atlas, tmp_path):
     shutil.copytree(small_atlas.path, bad)
     data = json.loads((bad / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**data, "format_version": 9}))
-    with pytest.raises(kvmem.KvmemError, match=r"has atlas format 9, this kvmem reads formats 1, 2, 3; rescan it") as error:
+    with pytest.raises(kvmem.KvmemError, match=r"has atlas format 9, this kvmem reads formats 1, 2, 3, 4; rescan it") as error:
         kvmem.open(bad)
     assert "\n" not in str(error.value)
     (bad / "manifest.json").write_text(json.dumps({k: v for k, v in data.items() if k != "layers"}))

@@ -342,7 +342,7 @@ def test_checkpoint_with_pickle_payload_is_refused(gpt2_model, tmp_path):
     checkpoint = tmp_path / "atlas.checkpoint"
     checkpoint.mkdir()
     (checkpoint / "state.x.safetensors").write_bytes(pickle.dumps(Payload()))
-    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 2, "generation": "x",
+    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 3, "generation": "x",
                                                       "tensor_file": "state.x.safetensors"}))
     with pytest.raises(kvmem.KvmemError) as error:
         kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, checkpoint_every=5, progress=False)

@@ -248,6 +248,10 @@ def test_unknown_convention_and_thresholds_off_the_bin_edges_are_refused(llama_m
         Thresholds(active_edge=0.3)
     with pytest.raises(KvmemError, match="lie in"):
         Thresholds(rare_frequency=2.0)
+    with pytest.raises(KvmemError, match="lie in"):
+        Thresholds(unigram_alignment=1.5)
+    with pytest.raises(KvmemError, match="unigram_min_count must be an integer >= 1"):
+        Thresholds(unigram_min_count=0)
     assert Thresholds(active_edge=MAGNITUDE_EDGES[3]).active_edge == 1.5 * 2.0 ** -6
 
 
@@ -281,8 +285,8 @@ def test_weights_only_table_has_null_atlas_columns(gpt2_model, tmp_path):
     frame, metadata = build_taxonomy(gpt2_model)
     write_taxonomy(frame, metadata, tmp_path / "w.parquet")
     back = read_taxonomy(tmp_path / "w.parquet")
-    atlas_columns = [c for c, (_, source, _) in COLUMNS.items() if source == "atlas"]
-    assert back[atlas_columns].isna().all().all()
+    atlas_columns = [c for c, (_, source, _) in COLUMNS.items() if source in ("atlas", "scan")]
+    assert "unigram_alignment" in atlas_columns and back[atlas_columns].isna().all().all()
     assert metadata["atlas"] is None and len(back) == 2 * 256
 
 

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--no-context-activations", action="store_true",
                         help="do not store each kept trigger's coefficients on its context tokens (they come from "
                              "the same forward; skipping them saves memory and atlas space)")
+    parser.add_argument("--no-taxonomy-sums", action="store_true",
+                        help="do not keep the neuron taxonomy's streaming sums (position correlation, gate/up "
+                             "quadrant counts and each trigger's gate/up, unigram counts; docs/taxonomy.md)")
     parser.add_argument("--shard", default="0/1",
                         help="scan part i of N (blocks of --block-documents documents, block %% N == i); "
                              "then 'kvmem merge' the N atlases")
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         top_n=args.top_n, conventions=tuple(c.strip() for c in args.conventions.split(",") if c.strip()),
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,
-        sort_by_length=not args.no_length_sort)
+        sort_by_length=not args.no_length_sort, taxonomy_sums=not args.no_taxonomy_sums)
     from kvmem.scanning import distributed
     from kvmem.scanning.config import ScanConfig
 

@@ -29,7 +29,8 @@ from kvmem.scanning.texts import TextStore
 
 __all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
 
-_VERSION = 2  # 2: the tensor file is named per generation in state.json
+_VERSION = 3  # 2: the taxonomy's sums (position, gate/up quadrants, unigrams); 3: the tensor file is
+# named per generation in state.json, and the documents read have digests
 META = "state.json"
 DIGESTS = "stream.read_digests"  # int64 [documents read]: kvmem.plan.short_digest of each
 
@@ -41,6 +42,8 @@ def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
         tensors.update({name: t.cpu() for name, t in part.items()})
         layers[str(layer)] = meta
     tensors[DIGESTS] = torch.from_numpy(np.frombuffer(state.position.read_digests, dtype=np.int64).copy())
+    if state.unigrams is not None:
+        tensors["unigrams"] = state.unigrams.cpu()
     meta = {"kvmem_state": _VERSION, "header": header, "layers": layers, "layer_order": list(state.layers),
             "position": state.position.to_json(), "tokens": state.tokens, "windows": state.windows,
             "batches": state.batches, "seconds": state.seconds, "texts": state.texts.to_json()}
@@ -69,7 +72,7 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) ->
     return ScanState(layers, {layer: LayerState.from_tensors(f"layer{layer}", tensors, meta["layers"][str(layer)])
                               for layer in layers},
                      TextStore.from_json(meta["texts"]), position, int(meta["tokens"]),
-                     int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]))
+                     int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]), tensors.get("unigrams"))
 
 
 def _position(data: dict) -> StreamPosition:

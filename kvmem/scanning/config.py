@@ -41,6 +41,9 @@ class ScanConfig:
     sample_rate:      fraction of positions the bin samples draw from (bounds their per-token cost)
     seed:             seed of the samples' position keys
     checkpoint_every: tokens between checkpoints (None = no checkpoints); taken at block ends
+    taxonomy_sums:    keep the neuron taxonomy's streaming sums (docs/taxonomy.md): Σ m·position, the gate/up
+                      sign-quadrant counts and each trigger's gate and up pre-activations (gated FFNs), and
+                      the corpus's unigram counts
     """
 
     layers: tuple[int, ...] | None = None
@@ -64,6 +67,7 @@ class ScanConfig:
     sample_rate: float = 0.125
     seed: int = 0
     checkpoint_every: int | None = None
+    taxonomy_sums: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str, value, allow_none: bool = False) -> None:

@@ -27,7 +27,7 @@ from kvmem.models import Model
 from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, iterate_batches
 from kvmem.scanning import distributed
 from kvmem.scanning.backends import Backend, select_backend
-from kvmem.scanning.capture import capture_coefficients
+from kvmem.scanning.capture import capture_coefficients, has_gate_up
 from kvmem.scanning.checkpoint import load_state, save_state
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.progress import Phases
@@ -66,11 +66,15 @@ def _check_layers(model: Model, config: ScanConfig) -> list[int]:
 
 
 def _fresh_state(model: Model, config: ScanConfig, layers: list[int]) -> ScanState:
+    import torch
+
     width = config.context_width if config.context_activations else 0
+    sums = config.taxonomy_sums  # the taxonomy's streaming sums (docs/taxonomy.md)
     return ScanState(layers, {layer: new_layer_state(
         model.d_ff, config.top_k, per_document=config.per_document, context_width=width, device=model.device,
         random_samples=config.random_samples, bin_samples=config.bin_samples, sample_rate=config.sample_rate,
-        seed=config.seed) for layer in layers})
+        seed=config.seed, position_sums=sums, quadrants=sums and has_gate_up(model)) for layer in layers},
+        unigrams=torch.zeros(model.vocab_size, dtype=torch.int64) if sums else None)
 
 
 def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, overwrite: bool = False,
@@ -218,5 +222,6 @@ def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, 
                            seed=config.seed, samples=bool(config.random_samples or config.bin_samples),
                            device=model.device)
     step = BatchStep(backend, state, rows, with_context=config.context_activations, index=state.batches)
-    capture_coefficients(model, rows.ids, state.layers, step.layer)
+    gate_up = {"on_gate_up": step.gate_up} if step.wants_gate_up else {}  # the taxonomy's quadrants (gated FFNs)
+    capture_coefficients(model, rows.ids, state.layers, step.layer, **gate_up)
     step.finish()

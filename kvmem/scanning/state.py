@@ -11,7 +11,9 @@ Positions are int64 codes (``kvmem.plan.pack``: doc << 32 | pos); EMPTY (-1) mar
   histogram bin), mergeable exactly because the union's smallest keys are the stream's;
 - :class:`LayerState`: one layer's sides, samples, counts, histogram and sums. Sums are kept as
   double-double (``hi + lo``) so that merging the states of several processes gives the same
-  float64 totals, to the last bit, as one process adding the same batches in order;
+  float64 totals, to the last bit, as one process adding the same batches in order. The taxonomy's
+  sums (``docs/taxonomy.md``) follow the same rules: Σ m·p (p = the position in the window) as
+  double-double, Σp and Σp² as Python integers, the gate/up sign-quadrant counts as int64;
 - :class:`ScanState`: every layer's state plus the text store and the stream position (what a
   checkpoint stores).
 
@@ -32,7 +34,7 @@ from kvmem.scanning.rules import EMPTY, KEY_BITS, keys_or_none, order_by_key, or
 from kvmem.scanning.texts import TextStore
 
 __all__ = ["EMPTY", "Side", "merge_sides", "RandomSample", "BinSample", "LayerState", "new_layer_state",
-           "add_into", "add_double_double", "merge_states", "ScanState"]
+           "add_into", "add_double_double", "merge_states", "ScanState", "QUADRANTS", "GATE_UP_EXTRAS"]
 
 
 class Side:
@@ -188,6 +190,14 @@ class LayerState:
     #{m > 0}; ``histogram`` [F, B] int64. ``doc_top``/``doc_bottom``: the best position of each
     document (only with per_document), with the still-open document's running best in ``open_*``.
     ``random``/``bins``: the samples of :mod:`kvmem.scanning.state` (None when switched off).
+
+    Taxonomy sums (None / 0 when switched off): ``position_product`` [2, F] float64 double-double
+    Σ m·p, p the position in the window (0 = the window's first scored token); ``position_total`` /
+    ``position_sq_total`` Σp, Σp² (exact integers, the same for every neuron); ``quadrants`` [4, F]
+    int64 (gated FFNs): positions with (gate > 0, up > 0), (gate > 0, up <= 0), (gate <= 0, up > 0),
+    (gate <= 0, up <= 0), gate and up the pre-activations W_gate x and W_up x. ``extras``: values
+    after the C context coefficients in every kept entry's context row (2 with quadrants: the
+    entry's gate and up pre-activations), so they travel with the entry through every insertion.
     """
 
     top: Side
@@ -204,6 +214,11 @@ class LayerState:
     open_bottom: Side | None = None
     random: RandomSample | None = None
     bins: BinSample | None = None
+    position_product: Tensor | None = None
+    position_total: int = 0
+    position_sq_total: int = 0
+    quadrants: Tensor | None = None
+    extras: int = 0
 
     def sides(self) -> dict[str, Side]:
         """Kind name (as in the triggers table) -> side, for the kinds this state keeps."""
@@ -231,7 +246,12 @@ class LayerState:
                 tensors[f"{prefix}.random.{part}"] = getattr(self.random, part).contiguous()
         if self.bins is not None:
             tensors[f"{prefix}.bins.codes"], tensors[f"{prefix}.bins.values"] = self.bins.codes, self.bins.values
-        meta = {"count": self.count, "open_doc": self.open_doc,
+        for name in _TAXONOMY_TENSORS:
+            if getattr(self, name) is not None:
+                tensors[f"{prefix}.{name}"] = getattr(self, name).contiguous()
+        meta = {"count": self.count, "open_doc": self.open_doc, "extras": self.extras,
+                "position_total": self.position_total, "position_sq_total": self.position_sq_total,
+                "taxonomy": [name for name in _TAXONOMY_TENSORS if getattr(self, name) is not None],
                 "sides": [f.name for f in fields(self) if isinstance(getattr(self, f.name), Side)],
                 "random_seed": self.random.seed if self.random is not None else None,
                 "bins": [self.bins.seed, self.bins.rate] if self.bins is not None else None}
@@ -250,12 +270,27 @@ class LayerState:
             seed, rate = meta["bins"]
             bins = BinSample(tensors[f"{prefix}.bins.codes"], tensors[f"{prefix}.bins.values"], int(seed), float(rate))
         return cls(**sides, count=int(meta["count"]), open_doc=int(meta["open_doc"]), random=random, bins=bins,
-                   **{name: tensors[f"{prefix}.{name}"] for name in ("total", "total_sq", "positive", "histogram")})
+                   **{name: tensors[f"{prefix}.{name}"] for name in ("total", "total_sq", "positive", "histogram")},
+                   **{name: tensors[f"{prefix}.{name}"] for name in meta["taxonomy"]},
+                   position_total=int(meta["position_total"]), position_sq_total=int(meta["position_sq_total"]),
+                   extras=int(meta["extras"]))
+
+
+_TAXONOMY_TENSORS = ("position_product", "quadrants")
+QUADRANTS = ("pp", "pn", "np", "nn")  # rows of LayerState.quadrants: (sign of gate, sign of up), p: > 0, n: <= 0
+GATE_UP_EXTRAS = 2  # context-row values after the context coefficients: the entry's gate, then up pre-activation
 
 
 def new_layer_state(d_ff: int, top_k: int, *, per_document: bool, context_width: int,
                     device: str | torch.device = "cpu", random_samples: int = 0, bin_samples: int = 0,
-                    sample_rate: float = 0.125, seed: int = 0) -> LayerState:
+                    sample_rate: float = 0.125, seed: int = 0, position_sums: bool = False,
+                    quadrants: bool = False) -> LayerState:
+    """An empty layer state. ``context_width``: context coefficients kept per entry; ``position_sums``:
+    keep Σ m·p, Σp, Σp²; ``quadrants``: keep the gate/up sign-quadrant counts and each entry's gate and
+    up pre-activations (gated FFNs; the capture must then pass them to :func:`kvmem.scanning.step.fold_batch`)."""
+    extras = GATE_UP_EXTRAS if quadrants else 0
+    context_width += extras
+
     def side(largest: bool, k: int = top_k) -> Side:
         return Side.empty(k, d_ff, context_width, largest=largest, device=device)
 
@@ -272,6 +307,11 @@ def new_layer_state(d_ff: int, top_k: int, *, per_document: bool, context_width:
         state.random = RandomSample.empty(random_samples, d_ff, context_width, device, seed=seed)
     if bin_samples:
         state.bins = BinSample.empty(bin_samples, d_ff, device, seed=seed, rate=sample_rate)
+    if position_sums:
+        state.position_product = torch.zeros(2, d_ff, dtype=torch.float64, device=device)
+    if quadrants:
+        state.quadrants = torch.zeros(len(QUADRANTS), d_ff, dtype=torch.int64, device=device)
+    state.extras = extras
     return state
 
 
@@ -326,6 +366,14 @@ def merge_states(a: LayerState, b: LayerState) -> LayerState:
         out.random = a.random.merge(b.random)
     if a.bins is not None:
         out.bins = a.bins.merge(b.bins)
+    if (a.position_product is None) != (b.position_product is None) or (a.quadrants is None) != (b.quadrants is None):
+        raise ValueError("merge_states needs states that keep the same taxonomy sums")
+    if a.position_product is not None:
+        out.position_product = add_double_double(a.position_product, b.position_product)
+    if a.quadrants is not None:
+        out.quadrants = a.quadrants + b.quadrants
+    out.position_total, out.position_sq_total = a.position_total + b.position_total, a.position_sq_total + b.position_sq_total
+    out.extras = a.extras
     return out
 
 
@@ -341,14 +389,18 @@ class ScanState:
     windows: int = 0
     batches: int = 0  # forwards run by this process (resumed runs included)
     seconds: float = 0.0  # streaming seconds so far
+    unigrams: Tensor | None = None  # [vocab] int64: scored positions holding each token id (None: not kept)
 
     def merge(self, other: ScanState) -> ScanState:
         """The state of one process that had read both (disjoint shares of one stream)."""
+        if (self.unigrams is None) != (other.unigrams is None):
+            raise ValueError("ScanState.merge needs states that both keep unigram counts, or neither")
         return ScanState(self.layers, {layer: merge_states(self.layer_states[layer], other.layer_states[layer])
                                        for layer in self.layers},
                          TextStore({**self.texts.windows, **other.texts.windows}), self.position,
                          self.tokens + other.tokens, self.windows + other.windows, self.batches + other.batches,
-                         max(self.seconds, other.seconds))
+                         max(self.seconds, other.seconds),
+                         None if self.unigrams is None else self.unigrams + other.unigrams.to(self.unigrams.device))
 
     def referenced_windows(self, window: int) -> set[int]:
         codes = [part.codes.reshape(-1) for s in self.layer_states.values()

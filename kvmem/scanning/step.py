@@ -17,6 +17,7 @@ check costs one host synchronisation per batch, not one per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,7 +28,23 @@ from kvmem.scanning.backends import Backend, ContextFn
 from kvmem.scanning.rules import EMPTY, position_keys
 from kvmem.scanning.state import LayerState, ScanState, add_into
 
-__all__ = ["BatchRows", "BatchStep", "fold_batch", "close_open_document", "window_context"]
+__all__ = ["BatchRows", "BatchStep", "Positions", "fold_batch", "close_open_document", "window_context"]
+
+
+class Positions(NamedTuple):
+    """Each scored position's place in its window, ``index`` [N] float32 (0 = the window's first scored
+    token; exact integers), and Σ index, Σ index² over the batch (Python integers)."""
+
+    index: Tensor
+    total: int
+    total_sq: int
+
+    @classmethod
+    def of(cls, lengths: list[int], device) -> Positions:
+        """The positions of windows of ``lengths`` scored tokens, laid out one after the other."""
+        index = torch.cat([torch.arange(n, dtype=torch.float32) for n in lengths]) if lengths else torch.empty(0)
+        return cls(index.to(device), sum(n * (n - 1) // 2 for n in lengths),
+                   sum((n - 1) * n * (2 * n - 1) // 6 for n in lengths))
 
 
 def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor, end: Tensor) -> Tensor:
@@ -47,7 +64,8 @@ def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, f
 
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
 def fold_batch(backend: Backend, state: LayerState, acts: Tensor, codes: Tensor, context_fn: ContextFn, *,
-               docs: Tensor | None = None, keys: Tensor | None = None, ordered: bool = True) -> Tensor | None:
+               docs: Tensor | None = None, keys: Tensor | None = None, ordered: bool = True,
+               positions: Positions | None = None, gate_up: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
     """Fold one batch of one layer's coefficients into its state -> a 0-dim bool tensor on the
     state's device: whether every coefficient was finite (None for an empty batch). Not read here,
     so the caller can check every layer with one synchronisation (:meth:`BatchStep.finish`).
@@ -57,10 +75,23 @@ def fold_batch(backend: Backend, state: LayerState, acts: Tensor, codes: Tensor,
     gives each candidate's context coefficients; docs [N] document indices (each document's rows
     contiguous and in position order; needed only with per_document); keys [N] the positions'
     sampling keys (:func:`kvmem.scanning.rules.position_keys`; needed only with samples).
+    ``positions``: each row's place in its window (needed only with the state's position sums);
+    ``gate_up``: the gate and up pre-activations [N, F] (needed only with its quadrant counts).
+    With quadrants, ``context_fn`` must end each context row with the entry's gate and up.
     """
     if acts.shape[0] == 0:
         return None
     acts = acts.float()
+    if state.position_product is not None:
+        if positions is None:
+            raise ValueError("this state keeps position sums: fold_batch needs the batch's positions")
+        add_into(state.position_product, backend.position_product(acts, positions.index))
+        state.position_total += positions.total
+        state.position_sq_total += positions.total_sq
+    if state.quadrants is not None:
+        if gate_up is None:
+            raise ValueError("this state keeps gate/up quadrant counts: fold_batch needs the pre-activations")
+        backend.quadrant_counts(state.quadrants, *gate_up)
     statistics = backend.statistics(acts, state.histogram, state.positive)  # one read of the batch
     backend.stream_side(state.top, acts, codes, context_fn, ordered, statistics.high)
     backend.stream_side(state.bottom, acts, codes, context_fn, ordered, statistics.low)
@@ -113,7 +144,8 @@ class BatchRows:
     padding id 0 is never scored), and per scored position, in reading order (N of them):
     ``flat`` [N] its index in ids.view(-1), ``codes`` [N], ``docs`` [N] (each document's rows
     contiguous), ``low``/``high`` [N] the flat rows bounding its window, ``keys`` [N] sampling keys
-    (None without samples); ``steps`` [C] the context offsets around a trigger."""
+    (None without samples); ``steps`` [C] the context offsets around a trigger; ``tokens`` [N] int64
+    (CPU) the token at each position; ``positions`` each position's place in its window."""
 
     batch: Batch
     ids: Tensor
@@ -124,6 +156,8 @@ class BatchRows:
     high: Tensor
     keys: Tensor | None
     steps: Tensor
+    tokens: Tensor
+    positions: Positions
 
     @classmethod
     def build(cls, batch: Batch, plan: TokenPlan, *, context_before: int, context_after: int, seed: int,
@@ -137,7 +171,9 @@ class BatchRows:
         lengths_t = torch.tensor(lengths)
         valid = torch.arange(width)[None, :] - offset < lengths_t[:, None]
         valid[:, :offset] = False
-        flat = valid.view(-1).nonzero().squeeze(1).to(device)  # [N] scored positions, in reading order
+        flat = valid.view(-1).nonzero().squeeze(1)  # [N] scored positions, in reading order
+        tokens = ids.view(-1).index_select(0, flat)  # [N], on the CPU
+        flat = flat.to(device)
         window_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)  # [N]
         first_row = torch.cumsum(lengths_t, 0) - lengths_t  # flat index of each window's first token
         starts = torch.tensor([w.start for w in batch.windows])
@@ -149,7 +185,7 @@ class BatchRows:
         high = (first_row + lengths_t)[window_of].to(device)
         steps = torch.arange(-context_before, context_after + 1, device=device)
         keys = position_keys(codes, seed) if samples else None
-        return cls(batch, ids, flat, codes, docs, low, high, keys, steps)
+        return cls(batch, ids, flat, codes, docs, low, high, keys, steps, tokens, Positions.of(lengths, device))
 
     @property
     def count(self) -> int:
@@ -163,19 +199,41 @@ class BatchStep:
     def __init__(self, backend: Backend, state: ScanState, rows: BatchRows, *, with_context: bool, index: int):
         self.backend, self.state, self.rows, self.with_context, self.index = backend, state, rows, with_context, index
         self.finite: list[tuple[int, Tensor]] = []
+        self.pending: dict[int, dict[str, Tensor]] = {}  # layer -> site -> [N, F], until its coefficients come
+
+    @property
+    def wants_gate_up(self) -> bool:
+        """Whether the states keep quadrant counts, so the capture must pass :meth:`gate_up` each layer's
+        gate and up pre-activations."""
+        return any(s.quadrants is not None for s in self.state.layer_states.values())
+
+    def gate_up(self, layer: int, site: str, tensor: Tensor) -> None:
+        """A gate (site ``pre``) or up (``pre_linear``) pre-activation [B, P, F] of ``layer``, kept for :meth:`layer`."""
+        if tensor.shape[-1] != self.state.layer_states[layer].histogram.shape[0]:
+            raise KvmemError(f"hook {site} of layer {layer} is {tensor.shape[-1]} wide, not d_ff: this bridge's "
+                             f"gate/up hooks are not the pre-activations; scan with --no-taxonomy-sums")
+        self.pending.setdefault(layer, {})[site] = tensor.reshape(-1, tensor.shape[-1]).index_select(0, self.rows.flat).float()
 
     def layer(self, layer: int, coefficients: Tensor) -> None:
         """coefficients [B, P, F] of ``layer`` (any float dtype) -> folded into its state."""
         rows = self.rows
         acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, rows.flat).float()  # [N, F]
+        d_ff = acts.shape[1]
+        pre = self.pending.pop(layer, None)
+        gate_up = None if pre is None else (pre["pre"], pre["pre_linear"])
 
-        def context_fn(at: Tensor, neurons: Tensor) -> Tensor:
-            if not self.with_context:
+        def context_fn(at: Tensor, neurons: Tensor) -> Tensor:  # [c, C (+ gate, up)]
+            parts = [window_context(acts, at, neurons, rows.steps, rows.low, rows.high)] if self.with_context else []
+            if gate_up is not None:
+                flat = at * d_ff + neurons
+                parts += [part.view(-1).index_select(0, flat)[:, None] for part in gate_up]
+            if not parts:
                 return torch.empty((at.numel(), 0), dtype=torch.float32, device=acts.device)
-            return window_context(acts, at, neurons, rows.steps, rows.low, rows.high)
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
         finite = fold_batch(self.backend, self.state.layer_states[layer], acts, rows.codes, context_fn,
-                            docs=rows.docs, keys=rows.keys, ordered=rows.batch.ordered)
+                            docs=rows.docs, keys=rows.keys, ordered=rows.batch.ordered, positions=rows.positions,
+                            gate_up=gate_up)
         if finite is not None:
             self.finite.append((layer, finite))
 
@@ -192,6 +250,10 @@ class BatchStep:
                     f"than count them wrongly: scan in float32 or bfloat16 (--dtype float32), whose range "
                     f"does not overflow")
         batch = self.rows.batch
+        if self.state.unigrams is not None:
+            tokens = self.rows.tokens
+            tokens = tokens.to(self.state.unigrams.device)
+            self.state.unigrams.index_add_(0, tokens, torch.ones_like(tokens))
         self.state.texts.add(batch.windows)
         self.state.tokens += self.rows.count
         self.state.windows += len(batch.windows)

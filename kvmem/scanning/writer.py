@@ -21,12 +21,12 @@ from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection import cached_projection_files
-from kvmem.scanning.state import LayerState, ScanState
+from kvmem.scanning.state import QUADRANTS, LayerState, ScanState
 from kvmem.scanning.texts import trigger_texts
 from kvmem.schema import FORMAT_VERSION, TRIGGER_KINDS, conform
 
 __all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
-           "samples_table", "contexts_table", "STATE_DIR"]
+           "samples_table", "contexts_table", "unigrams_table", "STATE_DIR"]
 
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
 
@@ -46,7 +46,7 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
         contexts = contexts_table(model, config, plan, state, np.unique(np.concatenate(codes)))
         bar.update()
     tables = {"neurons": neurons_table(model, layers, state.layer_states), "triggers": triggers, "contexts": contexts,
-              "histograms": histograms_table(layers, state.layer_states),
+              "histograms": histograms_table(layers, state.layer_states), "unigrams": unigrams_table(state),
               **({"samples": samples} if samples is not None else {})}
     with phases.phase("projections", total=len(layers)) as bar:
         projections = cached_projection_files(model, layers, config, bar=bar)
@@ -135,9 +135,42 @@ def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]
                           else np.full(model.d_ff, np.nan, np.float32)),
             "value_norm": model.written_values(layer).norm(dim=1).cpu().numpy(),  # what reaches the residual
         }
+        part.update(_taxonomy_columns(s, model.d_ff))
         for name, values in part.items():
             columns.setdefault(name, []).append(values)
-    return pa.table({name: np.concatenate(parts) for name, parts in columns.items()})
+    return pa.table({name: _nullable(np.concatenate(parts)) for name, parts in columns.items()})
+
+
+_NULL_INT = np.iinfo(np.int64).min  # marks a null int64 entry until the Arrow table is built
+
+
+def _nullable(values: np.ndarray) -> pa.Array | np.ndarray:
+    """int64 columns holding the null marker become Arrow arrays with nulls (float columns keep NaN)."""
+    if values.dtype == np.int64 and (values == _NULL_INT).any():
+        return pa.array(values, mask=values == _NULL_INT)
+    return values
+
+
+def _taxonomy_columns(s: LayerState, d_ff: int) -> dict[str, np.ndarray]:
+    """The neurons table's taxonomy sums of one layer (null markers where the scan kept none)."""
+    kept = s.position_product is not None
+    none = np.full(d_ff, _NULL_INT, np.int64)
+    out = {
+        "position_act_sum": ((s.position_product[0] + s.position_product[1]).cpu().numpy() if kept
+                             else np.full(d_ff, np.nan)),
+        "position_sum": np.full(d_ff, s.position_total, np.int64) if kept else none,
+        "position_sq_sum": np.full(d_ff, s.position_sq_total, np.int64) if kept else none,
+    }
+    quadrants = s.quadrants.cpu().numpy() if s.quadrants is not None else None
+    for row, name in enumerate(QUADRANTS):
+        out[f"quadrant_{name}"] = quadrants[row].astype(np.int64) if quadrants is not None else none
+    return out
+
+
+def unigrams_table(state: ScanState) -> pa.Table:
+    """One row per vocabulary id with its count over the scored positions (no rows without the taxonomy sums)."""
+    counts = state.unigrams.cpu().numpy() if state.unigrams is not None else np.empty(0, np.int64)
+    return pa.table({"token_id": np.arange(len(counts), dtype=np.int32), "count": counts.astype(np.int64)})
 
 
 def histograms_table(layers: list[int], states: dict[int, LayerState]) -> pa.Table:
@@ -159,6 +192,8 @@ def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[st
         values = np.stack([side.values.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)  # [F, kinds, k]
         codes = np.stack([side.codes.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)
         context = np.stack([side.context.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1, 3)
+        extras = states[layer].extras  # gate, up after the context coefficients (or none)
+        width = context.shape[-1] - extras
         kind_names = np.broadcast_to(np.array([TRIGGER_KINDS.index(name) for name in sides], np.int64)[None, :, None],
                                      values.shape)
         ranks = np.broadcast_to(np.arange(k, dtype=np.int16)[None, None, :], values.shape)
@@ -167,7 +202,11 @@ def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[st
         for name, array in (("neuron", neurons), ("kind", kind_names), ("rank", ranks), ("activation", values),
                             ("code", codes)):
             parts.setdefault(name, []).append(array.reshape(-1)[keep])
-        parts.setdefault("context", []).append(context.reshape(len(keep), context.shape[-1])[keep])
+        rows = context.reshape(len(keep), context.shape[-1])[keep]
+        parts.setdefault("context", []).append(rows[:, :width])
+        nan = np.full(len(rows), np.nan, np.float32)
+        parts.setdefault("gate_pre", []).append(rows[:, width] if extras else nan)
+        parts.setdefault("up_pre", []).append(rows[:, width + 1] if extras else nan)
         parts.setdefault("layer", []).append(np.full(int(keep.sum()), layer, np.int16))
     return {name: np.concatenate(p) for name, p in parts.items()}
 
@@ -219,6 +258,7 @@ def triggers_table(state) -> pa.Table:
         "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
         "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
         "context_activations": _list_column(arrays["context"], len(arrays["code"])),
+        "gate_pre": arrays["gate_pre"].astype(np.float32), "up_pre": arrays["up_pre"].astype(np.float32),
     })
 
 
@@ -236,7 +276,8 @@ def _sample_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str
         if s.random is not None:
             codes = s.random.codes.cpu().numpy()
             values = s.random.values.cpu().numpy().T  # [F, S]
-            context = s.random.context.cpu().numpy().transpose(1, 0, 2)  # [F, S, C]
+            context = s.random.context.cpu().numpy().transpose(1, 0, 2)  # [F, S, C (+ gate, up)]
+            context = context[:, :, :context.shape[2] - s.extras]
             d_ff, size = values.shape
             keep = np.broadcast_to(codes >= 0, (d_ff, size)).reshape(-1)
             pieces.append(dict(

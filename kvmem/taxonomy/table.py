@@ -4,7 +4,9 @@ One row per (layer, neuron). Columns come from three sources, named in :data:`CO
 
 - ``weights``: from the model's weights alone (``kvmem taxonomy --model M``);
 - ``atlas``: exact functions of an atlas's tables (null in a weights-only table);
-- ``scan``: streaming sums the scan has to collect; listed in :data:`PENDING` and not yet written.
+- ``scan``: functions of the scan's streaming sums (atlas format 4; null in a weights-only table and for an
+  atlas without the sums, the sidecar's ``scan_columns`` saying why). :data:`PENDING` lists columns not
+  yet computed (none now).
 
 The file carries its own provenance (thresholds, conventions, kvmem version, model fingerprint) twice: in
 the parquet schema metadata under ``kvmem.taxonomy`` and in a JSON sidecar beside it (``taxonomy.json``),
@@ -70,19 +72,21 @@ COLUMNS: dict[str, tuple[str, str, str]] = {
     "top_trigger_token": ("string", "atlas", "its text"),
     "self_suppression_rank": ("int32", "atlas", "rank (0 = most suppressed) of top_trigger_token_id among the "
                                                 "value's kept suppressed tokens (values table), -1 if not kept"),
+    "position_correlation": ("float64", "scan", "Pearson r of m_i with p, the position in the window (Voita et al. "
+                                                "2024's positional neurons), from Σm, Σm², Σp, Σp², Σm·p"),
+    "positional": ("bool", "scan", "|position_correlation| >= positional_correlation"),
+    "quadrant_pp": ("float64", "scan", "gated: share of positions with gate pre-activation > 0 and up > 0 "
+                                       "(GLUScope, arXiv 2602.23826); NaN for a plain FFN"),
+    "quadrant_pn": ("float64", "scan", "gated: share with gate > 0 and up <= 0"),
+    "quadrant_np": ("float64", "scan", "gated: share with gate <= 0 and up > 0"),
+    "quadrant_nn": ("float64", "scan", "gated: share with gate <= 0 and up <= 0"),
+    "unigram_alignment": ("float64", "scan", "Pearson r over the corpus's tokens of W_U^T v_i with log unigram "
+                                             "frequency (Stolfo et al. 2024's token-frequency neurons)"),
+    "token_frequency": ("bool", "scan", "|unigram_alignment| >= unigram_alignment threshold"),
 }
 
-# scan-time columns, not yet computed (they need streaming sums the scan does not keep)
-PENDING: dict[str, str] = {
-    "position_correlation": "Pearson correlation of m_i with the position in the window (positional neurons; "
-                            "Voita et al. 2024): needs Σ pos, Σ pos², Σ m·pos per neuron",
-    "quadrant_pp": "gated: positions with gate pre-activation > 0 and up pre-activation > 0 (GLUScope, "
-                   "arXiv 2602.23826); quadrant_pn, quadrant_np, quadrant_nn likewise",
-    "unigram_alignment": "cos(W_U^T v_i, log-unigram direction) (token-frequency neurons; Stolfo et al. 2024): "
-                         "needs the corpus's exact unigram counts, the atlas keeps only kept positions",
-    "trigger_gate_pre, trigger_up_pre": "gate and up pre-activations of each kept trigger (triggers table), to "
-                                        "split exemplars by quadrant",
-}
+# columns not yet computed, with the reason (none: every column of issue 21 is computed)
+PENDING: dict[str, str] = {}
 
 _ARROW = {"int16": "int16", "int32": "int32", "int64": "int64", "float32": "float32", "float64": "float64",
           "bool": "bool_", "string": "string"}
@@ -135,7 +139,8 @@ def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, c
     from kvmem import __version__
     from kvmem.conventions import CONVENTIONS
     from kvmem.taxonomy.evidence import evidence_columns
-    from kvmem.taxonomy.weights import VALUE_CONVENTION, weight_statistics
+    from kvmem.taxonomy.streaming import scan_columns
+    from kvmem.taxonomy.weights import VALUE_CONVENTION, value_vectors, weight_statistics
 
     thresholds = thresholds or Thresholds()
     timing: dict = {}
@@ -151,7 +156,7 @@ def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, c
                                         "what neuron i writes into the residual stream; W_U = model.unembedding()"},
         "null_space_dim": thresholds.null_space_dim(model.d_model),
         "thresholds": thresholds.to_dict(), "threshold_sources": THRESHOLD_SOURCES,
-        "atlas": None, "self_suppression_convention": None,
+        "atlas": None, "self_suppression_convention": None, "scan_columns": None,
         "pending_columns": PENDING,
     }
     if atlas is not None:
@@ -168,6 +173,11 @@ def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, c
                              "model_fingerprint": manifest.model.get("fingerprint")}
         metadata["self_suppression_convention"] = {"name": convention,
                                                    "formula": CONVENTIONS[convention].formula if convention in CONVENTIONS else ""}
+        t0 = time.perf_counter()
+        streamed, metadata["scan_columns"] = scan_columns(atlas, model, thresholds, value_vectors=value_vectors)
+        timing["scan"] = time.perf_counter() - t0
+        if streamed is not None:
+            frame = frame.merge(streamed, on=["layer", "neuron"], how="left", validate="one_to_one")
     timing["total"] = time.perf_counter() - start
     metadata["timing_seconds"] = {k: round(v, 3) for k, v in timing.items()}
     return frame, metadata

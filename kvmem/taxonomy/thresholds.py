@@ -28,6 +28,13 @@ THRESHOLD_SOURCES: dict[str, str] = {
     "active_edge": "kvmem's choice: a histogram edge; freq_active counts |m| >= it",
     "strong_edge": "kvmem's choice: a histogram edge; freq_strong counts |m| >= it",
     "rare_frequency": "kvmem's choice: a neuron that is not dead but has freq_active below this is rare",
+    "positional_correlation": "kvmem's choice: |Pearson r of m with the position in the window| at or above this "
+                              "flags a positional neuron (Voita et al. 2024 describe positional neurons, no cut-off "
+                              "on r; a range indicator that fires mid-window has a small r)",
+    "unigram_alignment": "kvmem's choice: |r of W_U^T v with the log unigram frequency| at or above this flags a "
+                         "token-frequency neuron (Stolfo et al. 2024 describe the effect, no cut-off)",
+    "unigram_min_count": "kvmem's choice: the log-frequency direction is over the tokens the corpus holds at least "
+                         "this many times (log 0 is undefined; Stolfo et al. use a training-corpus unigram distribution)",
 }
 
 
@@ -41,6 +48,9 @@ class Thresholds:
     weak_edge:  dead = no position with |m| >= weak_edge
     active_edge, strong_edge: the edges of freq_active and freq_strong
     rare_frequency: rare = not dead and freq_active < rare_frequency
+    positional_correlation: positional = |position_correlation| >= this
+    unigram_alignment: token_frequency = |unigram_alignment| >= this
+    unigram_min_count: the log-frequency direction's tokens: those counted at least this often
     """
 
     kurtosis: float = 10.0
@@ -51,6 +61,9 @@ class Thresholds:
     active_edge: float = 2.0 ** -3
     strong_edge: float = 1.0
     rare_frequency: float = 1e-3
+    positional_correlation: float = 0.5
+    unigram_alignment: float = 0.5
+    unigram_min_count: int = 1
 
     def __post_init__(self):
         for name in ("weak_edge", "active_edge", "strong_edge"):
@@ -63,10 +76,13 @@ class Thresholds:
             raise KvmemError(f"need weak_edge <= active_edge <= strong_edge, got {self.weak_edge}, "
                              f"{self.active_edge}, {self.strong_edge}")
         for name in ("null_space_fraction_of_d_model", "entropy_null_fraction", "entropy_norm_quantile",
-                     "rare_frequency"):
+                     "rare_frequency", "positional_correlation", "unigram_alignment"):
             value = getattr(self, name)
             if not 0 < value < 1:
                 raise KvmemError(f"threshold {name} must lie in (0, 1), got {value!r}")
+        if isinstance(self.unigram_min_count, bool) or not isinstance(self.unigram_min_count, int) \
+                or self.unigram_min_count < 1:
+            raise KvmemError(f"threshold unigram_min_count must be an integer >= 1, got {self.unigram_min_count!r}")
         if not self.kurtosis > 0:
             raise KvmemError(f"threshold kurtosis must be positive, got {self.kurtosis!r}")
 

@@ -74,3 +74,13 @@ class Backend:
     def bin_sample(self, sample: BinSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor) -> None:
         """Fold the thinned positions ``rows`` [r] (their keys and codes [r]) into the bin samples."""
         raise NotImplementedError
+
+    def position_product(self, acts: Tensor, positions: Tensor) -> Tensor:
+        """Σ_r m[r] · positions[r] -> [F] float64 (positions [N] float32, exact small integers). Every
+        backend must return the same bits for the same batch (the taxonomy's sums do not differ by backend)."""
+        raise NotImplementedError
+
+    def quadrant_counts(self, counts: Tensor, gate: Tensor, up: Tensor) -> None:
+        """Add the batch's sign-quadrant counts of gate, up [N, F] into ``counts`` [4, F] int64 (rows:
+        :data:`kvmem.scanning.state.QUADRANTS`, "p" is > 0 and "n" is <= 0; NaN counts as "n")."""
+        raise NotImplementedError

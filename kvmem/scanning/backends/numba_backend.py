@@ -6,7 +6,8 @@ coefficient of an [N, F] batch. In eager torch they take a dozen passes over it,
 serial (the histogram is a scatter); the kernels read each coefficient once, in neuron strips
 spread over the cores. numba compiles them once per install and caches them on disk; a scan
 loads them in its 'kernels' phase (:meth:`NumbaBackend.prepare`). The rest of the step (the
-random sample, closing a document) is the torch backend's, inherited.
+random sample, closing a document, the taxonomy's Σ m·position) is the torch backend's, inherited;
+the taxonomy's gate/up quadrant counts have a kernel of their own (integers: the same counts).
 
 Against the torch backend: the same histogram, counts, extremes, kept entries and samples to the
 bit; the sums differ only in rounding (float64 along the rows here, float32 blocks of 32 rows then
@@ -59,6 +60,7 @@ class NumbaBackend(TorchBackend):
         self.fold_documents([(state.doc_top, None)], acts, codes, starts, lengths, no_context, True)
         rows = torch.arange(4)
         self.bin_sample(state.bins, acts, rows, keys_or_none(codes, 0), codes)
+        self.quadrant_counts(torch.zeros(4, 4, dtype=torch.int64), acts, -acts)
 
     @torch.inference_mode()
     def statistics(self, acts: Tensor, histogram: Tensor, positive: Tensor) -> BatchStatistics:
@@ -119,6 +121,14 @@ class NumbaBackend(TorchBackend):
         _add_context(side, entered, context_of)
         neurons = torch.arange(d_ff)
         return Side(last_value[None], last_code[None], context_of(last_row, neurons)[None], side.largest)
+
+    def quadrant_counts(self, counts: Tensor, gate: Tensor, up: Tensor) -> None:
+        """One read of gate and up per neuron strip; integer counts, so the same as the torch backend's.
+        (``position_product`` is the torch backend's own code, inherited: the same bits on a CPU.)"""
+        self._threads()
+        if not counts.is_contiguous():
+            raise ValueError("quadrant counts must be contiguous")
+        self._kernels.quadrant_counts(gate.float().contiguous().numpy(), up.float().contiguous().numpy(), counts.numpy())
 
     def bin_sample(self, sample: BinSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor) -> None:
         """Each neuron inserts every position whose key is under its bin's q-th kept one."""

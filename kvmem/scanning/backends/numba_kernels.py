@@ -15,7 +15,7 @@ import numpy as np
 from kvmem.scanning.histogram import HIST_BINS, bin_of_code
 from kvmem.scanning.rules import key_of
 
-__all__ = ["statistics", "side_insert", "document_insert", "bin_insert"]
+__all__ = ["statistics", "side_insert", "document_insert", "bin_insert", "quadrant_counts"]
 
 _STRIP = 128  # neurons per strip: one strip's histogram (64 x 128 int32) stays in L1
 _bin = numba.njit(inline="always")(bin_of_code)
@@ -156,3 +156,27 @@ def bin_insert(acts, rows, row_keys, row_codes, codes, values, last, salt):  # p
                     p -= 1
                 codes[f, b, p], values[f, b, p] = c, acts[rows[i], f]
                 last[b, f] = _key(codes[f, b, q - 1], salt)
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def quadrant_counts(gate, up, counts):  # pragma: no cover - compiled
+    n, d_ff = gate.shape
+    for s in numba.prange((d_ff + _STRIP - 1) // _STRIP):
+        f0 = s * _STRIP
+        w = min(d_ff, f0 + _STRIP) - f0
+        both = np.zeros(_STRIP, np.int64)
+        gate_on = np.zeros(_STRIP, np.int64)
+        up_on = np.zeros(_STRIP, np.int64)
+        for r in range(n):
+            g, u = gate[r, f0:f0 + w], up[r, f0:f0 + w]
+            for i in range(w):
+                a = 1 if g[i] > 0 else 0
+                b = 1 if u[i] > 0 else 0
+                gate_on[i] += a
+                up_on[i] += b
+                both[i] += a & b
+        for i in range(w):
+            counts[0, f0 + i] += both[i]
+            counts[1, f0 + i] += gate_on[i] - both[i]
+            counts[2, f0 + i] += up_on[i] - both[i]
+            counts[3, f0 + i] += n - gate_on[i] - up_on[i] + both[i]

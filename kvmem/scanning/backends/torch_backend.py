@@ -51,6 +51,22 @@ class TorchBackend(Backend):
     def bin_sample(self, sample: BinSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor) -> None:
         bin_sample(sample, acts, rows, row_keys, row_codes)
 
+    @torch.inference_mode()
+    def position_product(self, acts: Tensor, positions: Tensor) -> Tensor:
+        """float32 products m·p, summed as :func:`_column_sum` sums m (the numba backend runs this same code)."""
+        return _column_sum(torch.mul(acts, positions[:, None], out=_scratch(acts.shape, torch.float32, acts.device)))
+
+    @torch.inference_mode()
+    def quadrant_counts(self, counts: Tensor, gate: Tensor, up: Tensor) -> None:
+        n = gate.shape[0]
+        gate_on, up_on = gate > 0, up > 0  # [N, F] bool
+        both = torch.logical_and(gate_on, up_on).sum(dim=0)
+        gate_total, up_total = gate_on.sum(dim=0), up_on.sum(dim=0)
+        counts[0] += both
+        counts[1] += gate_total - both
+        counts[2] += up_total - both
+        counts[3] += n - gate_total - up_total + both
+
 
 def _insert(side: Side, values: Tensor, codes: Tensor, slots: Tensor, columns: Tensor | None = None, *,
             ordered: bool = True) -> None:
