@@ -31,7 +31,7 @@ from functools import partial
 from kvmem.errors import KvmemError
 from kvmem.tokenization import CHUNK, encoder, token_pieces
 
-__all__ = ["TokenPlan", "Batch", "WindowText", "pack", "unpack", "window_key", "iterate_batches", "DEFAULT_WINDOW",
+__all__ = ["BATCH_SIZE_HELP", "parse_batch_size", "TokenPlan", "Batch", "WindowText", "pack", "unpack", "window_key", "iterate_batches", "DEFAULT_WINDOW",
            "DEFAULT_BLOCK_DOCUMENTS", "document_digest", "RULE"]
 
 DEFAULT_WINDOW = 256
@@ -40,6 +40,30 @@ RULE = ("each document is tokenized alone without special tokens; window k holds
         "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored); "
         "a batch holds consecutive windows of one block of block_documents documents (shortest document "
         "first when sort_by_length, stable), as many as fit batch_size * window padded positions")
+
+
+BATCH_SIZE_HELP = ("windows per forward (an integer), a token budget such as '4096 tokens' or '4096t' (whole "
+                   "windows within it), or 'auto' (GPU: the largest batch that fits in 70%% of free memory; "
+                   "CPU: 2048 tokens); the manifest records the number used")
+
+
+def parse_batch_size(value) -> int | str:
+    """An int >= 1 (windows), ``"N tokens"`` (a token budget, also ``"Nt"`` / ``"N tokens"``) or ``"auto"``;
+    anything else is one line that says what is accepted."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace("_", "").replace(",", "")
+        if text == "auto":
+            return "auto"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        for suffix in (" tokens", "tokens", " tok", "tok", "t"):
+            number = text.removesuffix(suffix)
+            if number != text and number.strip().isdigit() and int(number) >= 1:
+                return f"{int(number)} tokens"
+    raise KvmemError(f"batch size must be an integer >= 1 (windows per forward), a token budget like '4096 tokens', "
+                     f"or 'auto'; got {value!r}")
 
 
 MAX_DOCUMENTS = 1 << 31  # doc << 32 must stay below 2^63 (int64)

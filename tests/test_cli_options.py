@@ -121,3 +121,38 @@ def test_every_command_reads_layers_alike(command, gpt2_dir, corpus_file, small_
         assert written == sorted(f"1/{n}.json" for n in range(small_atlas.manifest.model["d_ff"]))
     else:
         assert set(pd.read_csv(out.with_name("one.csv")).layer) == {1}
+
+
+# ---- --batch-size: windows, a token budget, or auto ----
+@pytest.mark.parametrize(("given", "parsed"), [(8, 8), ("8", 8), ("4096t", "4096 tokens"), ("4096 tokens", "4096 tokens"),
+                                               ("4_096tok", "4096 tokens"), ("AUTO", "auto")])
+def test_batch_size_forms(given, parsed):
+    from kvmem.plan import parse_batch_size
+
+    assert parse_batch_size(given) == parsed
+
+
+@pytest.mark.parametrize("bad", [0, -1, "0", "1.5", "many", "0 tokens", "t", True, 2.0])
+def test_bad_batch_size_is_one_line(bad):
+    from kvmem.scanning.config import ScanConfig
+
+    with pytest.raises(KvmemError, match=r"batch size must be an integer >= 1 .* or 'auto'; got") as error:
+        ScanConfig(batch_size=bad)
+    assert "\n" not in str(error.value)
+
+
+def test_token_budget_and_cpu_auto_resolve_to_whole_windows(gpt2_model, tmp_path):
+    """'N tokens' is the whole windows within N padded positions (at least one); 'auto' on a CPU is 2048
+    tokens. The plan (and the manifest) record the number, and the tables equal those of that number given
+    as an int."""
+    from kvmem.scanning.config import ScanConfig
+    from kvmem.scanning.runner import resolve_batch_size
+
+    for spec, window, windows in (("1000 tokens", 256, 3), ("100 tokens", 256, 1), ("auto", 32, 64), ("auto", 256, 8)):
+        assert resolve_batch_size(gpt2_model, ScanConfig(batch_size=spec), window) == windows
+    settings = dict(max_tokens=600, window=32, top_k=3, top_n=2, progress=False)
+    by_budget = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "budget", batch_size="100 tokens", **settings)
+    by_count = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "count", batch_size=3, **settings)
+    assert by_budget.manifest.plan.batch_size == 3
+    for table in ("triggers", "values", "histograms", "neurons"):
+        assert (by_budget.path / f"{table}.parquet").read_bytes() == (by_count.path / f"{table}.parquet").read_bytes()

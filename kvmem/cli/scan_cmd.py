@@ -7,6 +7,7 @@ import argparse
 from kvmem.cli.options import add_layers_option, parse_layers
 from kvmem.conventions import CONVENTIONS
 from kvmem.devices import device_help
+from kvmem.plan import BATCH_SIZE_HELP
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--per-document", action="store_true", help="also keep the best position of each document")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--window", type=int, default=None, help="tokens per window (default min(context, 256))")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", default="8", help=BATCH_SIZE_HELP)
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to windows")
     parser.add_argument("--unit", default="document", choices=["document", "paragraph", "line", "sentence"])
     parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 from kvmem.conventions import CONVENTIONS
 from kvmem.errors import KvmemError
-from kvmem.plan import DEFAULT_BLOCK_DOCUMENTS
+from kvmem.plan import DEFAULT_BLOCK_DOCUMENTS, parse_batch_size
 
 __all__ = ["ScanConfig", "parse_shard", "BLOCK_DOCUMENTS_BY_UNIT"]
 
@@ -23,7 +23,10 @@ class ScanConfig:
     per_document:     also keep the best position of each document (Geva et al. kept one per sentence)
     max_tokens:       stop after this many scored tokens (None = whole corpus)
     window:           tokens per window (None = min(model context, 256))
-    batch_size:       windows per forward pass
+    batch_size:       windows per forward pass (an int); or a token budget, ``"N tokens"`` (as many whole
+                      windows as fit N padded positions); or ``"auto"``: on a GPU the largest batch whose
+                      step fits in 70% of the free memory (measured by two probe batches), on a CPU
+                      2,048 tokens (more gains nothing there). The plan records the resolved number.
     prepend_bos:      prepend the tokenizer's BOS token to every window (never scored)
     context_before / context_after: context tokens kept around each trigger
     context_activations: keep each trigger's neuron on its context tokens, read from the batch in memory as it
@@ -51,7 +54,7 @@ class ScanConfig:
     per_document: bool = False
     max_tokens: int | None = None
     window: int | None = None
-    batch_size: int = 8
+    batch_size: int | str = 8
     prepend_bos: bool = True
     context_before: int = 12
     context_after: int = 4
@@ -77,7 +80,7 @@ class ScanConfig:
                 raise KvmemError(f"{name} must be an integer >= 1, got {value!r}")
 
         positive("top_k", self.top_k)
-        positive("batch_size", self.batch_size)
+        object.__setattr__(self, "batch_size", parse_batch_size(self.batch_size))
         positive("top_n", self.top_n)
         positive("max_tokens", self.max_tokens, allow_none=True)
         positive("window", self.window, allow_none=True)

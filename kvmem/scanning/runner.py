@@ -24,7 +24,7 @@ from kvmem.atomic import held_lock
 from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
-from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, iterate_batches
+from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, WindowText, iterate_batches
 from kvmem.scanning import distributed
 from kvmem.scanning.backends import Backend, select_backend
 from kvmem.scanning.capture import capture_coefficients, has_gate_up
@@ -35,7 +35,7 @@ from kvmem.scanning.state import ScanState, new_layer_state
 from kvmem.scanning.step import BatchRows, BatchStep, close_open_document
 from kvmem.scanning.writer import write_atlas
 
-__all__ = ["scan", "stream", "resolve_window", "token_plan"]
+__all__ = ["scan", "stream", "resolve_batch_size", "resolve_window", "token_plan"]
 
 
 def resolve_window(model: Model, config: ScanConfig) -> int:
@@ -52,9 +52,57 @@ def token_plan(model: Model, config: ScanConfig, unit: str = "document") -> Toke
     bos = model.bos_token_id if config.prepend_bos else None
     if config.prepend_bos and bos is None:
         raise KvmemError(f"the tokenizer of {model.name} has no BOS token; scan with prepend_bos=False (--no-bos)")
-    return TokenPlan(window=resolve_window(model, config), bos_token_id=bos, batch_size=config.batch_size,
+    window = resolve_window(model, config)
+    return TokenPlan(window=window, bos_token_id=bos, batch_size=resolve_batch_size(model, config, window),
                      max_tokens=config.max_tokens, block_documents=config.block_documents_for(unit), shard=config.shard,
                      sort_by_length=config.sort_by_length)
+
+
+CPU_AUTO_TOKENS = 2048  # a CPU's throughput is flat beyond this many tokens per forward
+GPU_MEMORY_SHARE = 0.7  # of the free memory after the state is allocated, for one batch's step
+
+
+def resolve_batch_size(model: Model, config: ScanConfig, window: int) -> int:
+    """Windows per forward for ``config.batch_size``: an int as given; ``"N tokens"`` the whole windows in N
+    padded positions (at least one); ``"auto"`` see :class:`ScanConfig` (:func:`_probe_batch_size`)."""
+    spec = config.batch_size
+    if isinstance(spec, int):
+        return spec
+    if spec == "auto":
+        if not str(model.device).startswith("cuda"):
+            return max(1, CPU_AUTO_TOKENS // window)
+        return _probe_batch_size(model, config, window)
+    return max(1, int(spec.split()[0]) // window)
+
+
+def _probe_batch_size(model: Model, config: ScanConfig, window: int) -> int:
+    """The largest batch whose step fits in GPU_MEMORY_SHARE of the free memory: the peak memory of one
+    real step (forward, capture and fold into a throwaway state) at 1 and 2 full windows gives the cost
+    of a window; the state a scan keeps is allocated first, so it is not counted twice."""
+    import torch
+
+    layers = _check_layers(model, config)
+    device = torch.device(model.device)
+    bos = model.bos_token_id if config.prepend_bos else None
+    peaks = []
+    before = torch.cuda.memory_allocated(device)
+    state = _fresh_state(model, config, layers)
+    state_bytes = torch.cuda.memory_allocated(device) - before
+    for windows in (1, 2):
+        plan = TokenPlan(window=window, bos_token_id=bos, batch_size=windows)
+        texts = [WindowText(doc, "probe", 0, tuple([0] * window), -1, "") for doc in range(windows)]
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        _run_batch(model, Batch(0, texts, windows * window), plan, config, state, select_backend(model.device))
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+    del state
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    per_window = max(peaks[1] - peaks[0], 1)
+    fixed = max(peaks[0] - per_window, 0)
+    return max(1, int(((free - state_bytes) * GPU_MEMORY_SHARE - fixed) // per_window))
 
 
 def _check_layers(model: Model, config: ScanConfig) -> list[int]:
