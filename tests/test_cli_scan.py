@@ -103,7 +103,7 @@ sys.exit(main(sys.argv[1:]))
 
 def _kill_after_checkpointed_batches(argv: list[str], state: Path, batches: int = 8) -> None:
     """Run ``kvmem ARGV`` (slowed) in a child, SIGKILL it once its checkpoint holds ``batches`` batches."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # KVMEM_PREFETCH too
     process = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *argv], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
@@ -124,7 +124,12 @@ def _kill_after_checkpointed_batches(argv: list[str], state: Path, batches: int 
     assert json.loads(state.read_text())["batches"] >= batches
 
 
-def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(gpt2_dir, corpus, whole, tmp_path, capsys):
+@pytest.mark.parametrize("prefetch", ["0", "1"])
+def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(prefetch, gpt2_dir, corpus, whole, tmp_path, capsys,
+                                                               monkeypatch):
+    """Killed and resumed, with and without the read-ahead thread (KVMEM_PREFETCH; its checkpoints must
+    record the position of their block end, not the thread's): the tables of one uninterrupted scan."""
+    monkeypatch.setenv("KVMEM_PREFETCH", prefetch)
     out = tmp_path / "resumed"
     argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
     state = tmp_path / "resumed.checkpoint" / "state.json"

@@ -30,6 +30,7 @@ from kvmem.scanning.backends import Backend, select_backend
 from kvmem.scanning.capture import capture_coefficients, has_gate_up
 from kvmem.scanning.checkpoint import load_state, save_state
 from kvmem.scanning.config import ScanConfig
+from kvmem.scanning.prefetch import prefetched_batches
 from kvmem.scanning.progress import Phases
 from kvmem.scanning.state import ScanState, new_layer_state
 from kvmem.scanning.step import BatchRows, BatchStep, close_open_document
@@ -227,15 +228,24 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
     started = time.perf_counter() - state.seconds
     last_checkpoint = state.tokens
 
-    def on_block_end(block: int) -> None:  # the state is whole here
+    def save_if_due(position) -> None:  # at a block end: the state is whole here
         nonlocal last_checkpoint
         if checkpoint is not None and state.tokens - last_checkpoint >= config.checkpoint_every:
             state.seconds = time.perf_counter() - started
-            save_state(checkpoint[0], state, checkpoint[1])
+            live, state.position = state.position, position() if callable(position) else position
+            try:
+                save_state(checkpoint[0], state, checkpoint[1])
+            finally:
+                state.position = live
             last_checkpoint = state.tokens
 
-    for batch in iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world,
-                                 on_block_end=on_block_end):
+    if prefetch_enabled(model.device):  # the walk runs ahead in a thread (kvmem.scanning.prefetch)
+        batches = prefetched_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world,
+                                     on_block_end=lambda end: save_if_due(end.position))
+    else:
+        batches = iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world,
+                                  on_block_end=lambda block: save_if_due(state.position))
+    for batch in batches:
         _run_batch(model, batch, plan, config, state, backend)
         bar.update(batch.tokens)
         if state.batches % 16 == 0:
@@ -243,6 +253,22 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
         if state.texts.needs_gc():
             state.texts.keep_only(state.referenced_windows(plan.window))
     state.seconds = time.perf_counter() - started
+
+
+PREFETCH_ENV = "KVMEM_PREFETCH"  # 1: read ahead in a thread, 0: do not; unset: on a GPU only
+
+
+def prefetch_enabled(device) -> bool:
+    """Whether the corpus walk runs ahead of the forward in a thread: by default on a GPU, where the
+    forward is quick next to tokenizing; on a CPU the thread would take cores from the forward."""
+    chosen = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if chosen in ("1", "true", "yes", "on"):
+        return True
+    if chosen in ("0", "false", "no", "off"):
+        return False
+    if chosen:
+        raise KvmemError(f"{PREFETCH_ENV}={chosen!r} is not 0 or 1; unset it for the default (on a GPU only)")
+    return str(device).startswith("cuda")
 
 
 def _release_freed_memory() -> None:
