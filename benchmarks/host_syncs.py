@@ -40,7 +40,9 @@ class CountSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in SYNCING and not (name == "repeat_interleave" and kwargs.get("output_size") is not None):
+        scalar_repeats = name == "repeat_interleave" and (func._overloadname == "self_int"
+                                                          or kwargs.get("output_size") is not None)
+        if name in SYNCING and not scalar_repeats:  # repeats given as an int, or the output size: no wait
             self.counts[name] += 1
         elif name in ("index", "index_put", "index_put_") and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None):

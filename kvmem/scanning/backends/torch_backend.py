@@ -294,15 +294,16 @@ def random_sample(sample: RandomSample, acts: Tensor, codes: Tensor, keys: Tenso
     rows = rows[order_by_key(keys[rows], codes[rows], 0)[:size]]
     all_codes = torch.cat([sample.codes, codes[rows]])
     order = order_by_key(torch.cat([own, keys[rows]]), all_codes, 0)[:size]  # into [old S, new n]
-    entering = order[order >= size] - size  # the new rows kept
-    if entering.numel() == 0:
+    is_new = order >= size
+    n = int(is_new.sum())  # the new rows kept (the one read of the sizes)
+    if n == 0:
         return
+    entering = order.index_select(0, _nonzero(is_new, n)) - size
     slots = sample.slots if sample.slots is not None else torch.arange(size, device=acts.device)
     kept_old = torch.zeros(size, dtype=torch.bool, device=acts.device)
-    kept_old[order[order < size]] = True
-    freed = slots[~kept_old]  # as many as enter
-    new_rows = rows[entering]
-    n = new_rows.numel()
+    kept_old[order.index_select(0, _nonzero(~is_new, size - n))] = True
+    freed = slots.index_select(0, _nonzero(~kept_old, n))  # as many as enter
+    new_rows = rows.index_select(0, entering)
     neurons = torch.arange(d_ff, device=acts.device)
     sample.store[freed] = context_fn(new_rows.repeat_interleave(d_ff), neurons.repeat(n)).view(n, d_ff, -1)
     slot_of_new = torch.zeros(rows.numel(), dtype=torch.int64, device=acts.device)
@@ -340,13 +341,18 @@ def bin_sample(sample: BinSample, acts: Tensor, rows: Tensor, row_keys: Tensor, 
     cell = neuron * bins + at.div(d_ff, rounding_mode="floor")  # flat (neuron, bin) of codes.view(-1, q)
     by_cell = torch.argsort(cell, stable=True)  # grouped by cell, (key, code) order kept within
     cell, at_row, neuron = cell[by_cell], at_row[by_cell], neuron[by_cell]
-    cells, counts = torch.unique_consecutive(cell, return_counts=True)
-    which = torch.repeat_interleave(torch.arange(cells.numel(), device=acts.device), counts)
-    rank = torch.arange(cell.numel(), device=acts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    first = rank < q  # only a cell's q smallest new keys can be kept
-    place = (which * q + rank)[first]
-    at_row, neuron = at_row[first], neuron[first]
-    width = cells.numel()
+    per_cell = torch.bincount(cell, minlength=d_ff * bins)  # [F * B]
+    # the two sizes in one read: cells with candidates, and candidates among a cell's q first
+    width, kept = torch.stack([(per_cell > 0).sum(), per_cell.clamp(max=q).sum()]).tolist()
+    cells = _nonzero(per_cell, width)  # ascending, as the groups come
+    counts = per_cell.index_select(0, cells)
+    total = cell.numel()
+    which = torch.repeat_interleave(torch.arange(width, device=acts.device), counts, output_size=total)
+    rank = torch.arange(total, device=acts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                             output_size=total)
+    first = _nonzero(rank < q, kept)  # only a cell's q smallest new keys can be kept
+    place = (which * q + rank).index_select(0, first)
+    at_row, neuron = at_row.index_select(0, first), neuron.index_select(0, first)
     new_keys = torch.full((width * q,), NO_KEY, dtype=torch.int64, device=acts.device)
     new_keys.index_copy_(0, place, row_keys.index_select(0, at_row))
     new_codes = torch.full((width * q,), -1, dtype=torch.int64, device=acts.device)
