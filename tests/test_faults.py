@@ -82,7 +82,7 @@ def test_file_size_limit_while_writing(gpt2_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas"]
 
 
-CHECKPOINTING = [*SCAN, "--checkpoint-every", "200", "--batch-size", "1", "--block-documents", "1"]
+CHECKPOINTING = [*SCAN, "--max-tokens", "700", "--checkpoint-every", "200", "--batch-size", "1", "--block-documents", "1"]
 
 
 def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(gpt2_dir, tmp_path):
