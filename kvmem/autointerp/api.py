@@ -19,13 +19,17 @@ import pandas as pd
 
 from kvmem.autointerp import store
 from kvmem.autointerp.bulk import layer_evidence
+from kvmem.autointerp.evidence import neuron_sides
 from kvmem.autointerp.explainers import BackendOptions, get_explainer, get_judge
+from kvmem.autointerp.judges import TokensJudge, rule_of
+from kvmem.autointerp.layertable import read_contexts, read_layer
 from kvmem.autointerp.randominit import random_init_atlas
 from kvmem.autointerp.scorers import get_scorers
 from kvmem.autointerp.scorers.base import PER_BAND
 from kvmem.autointerp.scorers.statistics import N_BOOT
 from kvmem.autointerp.selection import select_neurons
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED
+from kvmem.autointerp.vectorised import FAST_SCORERS, KeyTables, score_layer
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES, as_atlas, single_cycle
 
@@ -43,7 +47,7 @@ def _options(atlas, options: BackendOptions | None) -> BackendOptions:
 
 
 def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: str = "tokens", sides=None,
-            seed: int = DEFAULT_SEED, held_out: float = DEFAULT_HELD_OUT, overwrite: bool = False, chunk: int = 1024,
+            seed: int = DEFAULT_SEED, held_out: float = DEFAULT_HELD_OUT, overwrite: bool = False, chunk: int = 2048,
             options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
     """Explain the chosen neurons' sides with ``explainer`` (``tokens``, ``hf:PATH``, ``openai:URL``) and store them.
 
@@ -59,19 +63,28 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
     done = set() if overwrite else set(zip(existing.layer[existing.explainer == explainer],
                                            existing.neuron[existing.explainer == explainer]))
     todo = [pair for pair in chosen if pair not in done]
+    contexts = read_contexts(atlas) if todo else None
+    # the tokens explainer works on a whole layer's arrays (kvmem.autointerp.vectorised); others on SideEvidence
+    layer_wise = getattr(worker, "explain_layer", None) if contexts is not None else None
+    keys = KeyTables.build(contexts) if layer_wise is not None else None
     bar = tqdm(total=len(todo), desc="explain", unit="neuron", disable=not progress)
-    for begin in range(0, len(todo), chunk):
-        part = todo[begin:begin + chunk]
-        evidence = []
-        for layer in sorted({layer for layer, _ in part}):
-            found = layer_evidence(atlas, layer, [n for l_, n in part if l_ == layer], sides=sides, seed=seed,
-                                   held_out=held_out)
-            evidence.extend(side for n in sorted(found) for side in found[n])
-        rows = [{**asdict(e), "explain_codes": list(e.explain_codes), "split_seed": seed, "held_out": held_out}
-                for e in worker.explain(evidence)]
-        existing = store.upsert(store.read(atlas.path), pd.DataFrame(rows))
-        store.write(atlas.path, existing)
-        bar.update(len(part))
+    by_layer: dict[int, list[int]] = {}
+    for layer, neuron in todo:
+        by_layer.setdefault(layer, []).append(neuron)
+    for layer, wanted in by_layer.items():  # chunks within a layer: each layer's tables are read once per chunk
+        for begin in range(0, len(wanted), chunk):
+            part = wanted[begin:begin + chunk]
+            if layer_wise is not None:
+                table = read_layer(atlas, layer, part, sides=neuron_sides(atlas, sides), seed=seed, held_out=held_out,
+                                   convention=atlas.default_convention, contexts=contexts)
+                written = layer_wise(table, keys)
+            else:
+                found = layer_evidence(atlas, layer, part, sides=sides, seed=seed, held_out=held_out, contexts=contexts)
+                written = worker.explain([side for n in sorted(found) for side in found[n]])
+            rows = [{**asdict(e), "explain_codes": list(e.explain_codes), "split_seed": seed, "held_out": held_out}
+                    for e in written]
+            store.write(atlas.path, store.upsert(store.read(atlas.path), pd.DataFrame(rows)))
+            bar.update(len(part))
     bar.close()
     return explanations(atlas, explainer=explainer, neurons=chosen)
 
@@ -131,7 +144,7 @@ def read_user_file(atlas, path) -> pd.DataFrame:
 
 def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations=None, explainer: str | None = None,
           layers=None, neurons=None, baseline: str | None = None, seed: int = DEFAULT_SEED,
-          held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND, n_boot: int = N_BOOT, chunk: int = 1024,
+          held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND, n_boot: int = N_BOOT, chunk: int = 4096,
           options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
     """Score stored explanations (or a user's file ``explanations=``) on held-out examples; store and return them.
 
@@ -169,14 +182,18 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
         if len(index) > 1:
             borrowed[index] = index[single_cycle(len(index), np.random.default_rng(_seed_of(seed, layer, side, name)))]
     scored = rows.copy()
-    for begin in range(0, len(rows), chunk):
+    contexts = read_contexts(atlas) if isinstance(worker, TokensJudge) else None
+    if contexts is not None and all(m.NAME in FAST_SCORERS for m in modules):
+        _score_layers(atlas, rows, scored, borrowed, modules, contexts=contexts, judge_label=judge_label, seed=seed,
+                      per_band=per_band, n_boot=n_boot)
+    for begin in range(0, len(rows) if contexts is None else 0, chunk):
         stop = min(begin + chunk, len(rows))
         evidence = {}
         part = rows.iloc[begin:stop]
         for (layer, split_seed, fraction), group in part.groupby(["layer", "split_seed", "held_out"]):
             found = layer_evidence(atlas, int(layer), group.neuron.astype(int).tolist(),
                                    sides=sorted(set(group.side), key=list(SIDES).index), seed=int(split_seed),
-                                   held_out=float(fraction))
+                                   held_out=float(fraction), contexts=contexts)
             for neuron, sides in found.items():
                 evidence[(int(layer), neuron, int(split_seed), float(fraction))] = {s.side: s for s in sides}
         for module in modules:
@@ -217,6 +234,44 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
                                      progress=progress)
         store.write(atlas.path, store.upsert(store.read(atlas.path), scored))
     return scored
+
+
+def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.ndarray, modules, *, contexts,
+                  judge_label: str, seed: int, per_band: int, n_boot: int) -> None:
+    """The tokens judge's scores of ``rows`` into ``scored``, a layer at a time on arrays
+    (:func:`kvmem.autointerp.vectorised.score_layer`; equal to the per-row loop of :func:`score`), stored per layer."""
+    keys = KeyTables.build(contexts)
+    parsed: dict[str, object] = {}
+    rules = [parsed.get(r.rule) or parsed.setdefault(r.rule, rule_of(r)) for r in rows.itertuples(index=False)]
+    neuron_col = rows.neuron.to_numpy().astype(np.int64)
+    for (layer, split_seed, fraction), index in rows.groupby(["layer", "split_seed", "held_out"]).indices.items():
+        index = np.sort(index)
+        sides = sorted(set(rows.side.iloc[index]), key=list(SIDES).index)
+        neurons = np.unique(neuron_col[index])
+        table = read_layer(atlas, int(layer), neurons, sides=sides, seed=int(split_seed), held_out=float(fraction),
+                           convention=atlas.default_convention, contexts=contexts)
+        side_index = np.searchsorted(neurons, neuron_col[index]) * len(sides) + \
+            np.asarray([sides.index(s) for s in rows.side.iloc[index]], np.int64)
+        lender = borrowed[index]
+        based = index[lender >= 0]
+        for module in modules:
+            name = module.NAME
+            got = score_layer(table, keys, name, side_index, [rules[i] for i in index],
+                              [rules[j] if j >= 0 else None for j in lender], per_band=per_band, seed=seed,
+                              n_boot=n_boot)
+            scored.loc[index, name], scored.loc[index, f"{name}_low"] = got.score, got.low
+            scored.loc[index, f"{name}_high"] = got.high
+            scored.loc[index, f"{name}_n"] = got.n.astype(scored[f"{name}_n"].dtype)
+            scored.loc[index, f"{name}_judge"] = judge_label
+            for i, codes in zip(index.tolist(), got.codes):
+                scored.at[i, f"{name}_codes"] = list(codes)
+            mask = lender >= 0
+            scored.loc[based, f"{name}_baseline"] = got.baseline[mask]
+            scored.loc[based, f"{name}_baseline_low"] = got.baseline_low[mask]
+            scored.loc[based, f"{name}_baseline_high"] = got.baseline_high[mask]
+            scored.loc[index, f"{name}_baseline_from"] = np.where(mask, neuron_col[np.maximum(lender, 0)], -1).astype(
+                scored[f"{name}_baseline_from"].dtype)
+        store.write(atlas.path, store.upsert(store.read(atlas.path), scored.iloc[index]))
 
 
 def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,
