@@ -43,7 +43,11 @@ def _run(atlas_dir, *, seed: int, held_out: float):
     kvmem.explain(atlas, neurons=[(layer, n) for layer in atlas.layers for n in range(0, atlas.d_ff, 3)], seed=seed,
                   held_out=held_out)
     returned = kvmem.score(atlas_dir, scorers="detection,fuzzing,simulation", n_boot=300, seed=seed + 1)
-    return store.read(atlas_dir), returned
+    first = store.read(atlas_dir)
+    fewer = kvmem.score(atlas_dir, scorers="simulation,detection", n_boot=200, per_band=3, max_quiet=4,
+                        neurons=[(layer, n) for layer in atlas.layers for n in range(0, atlas.d_ff, 6)])
+    assert (fewer.detection_n <= 5 * 3 + 4).all() and (fewer.simulation_n <= 3 + 4).all()
+    return first, returned, store.read(atlas_dir), fewer
 
 
 @pytest.mark.parametrize("which", ["gelu", "gated"])
@@ -53,18 +57,18 @@ def test_array_path_stores_exactly_what_the_per_side_path_stores(which, explain_
     fast_dir, slow_dir = tmp_path / "fast", tmp_path / "slow"
     for target in (fast_dir, slow_dir):
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("explanations*"))
-    fast, fast_returned = _run(fast_dir, seed=2, held_out=0.4)
+    fast, fast_returned, fast_fewer, fast_fewer_returned = _run(fast_dir, seed=2, held_out=0.4)
 
     calls = []
     per_neuron = bulk.load_evidence
     monkeypatch.setattr(api, "read_contexts", lambda atlas: None)
     monkeypatch.setattr(bulk, "read_contexts", lambda atlas: None)
     monkeypatch.setattr(bulk, "load_evidence", lambda *a, **k: calls.append(a[1:3]) or per_neuron(*a, **k))
-    slow, slow_returned = _run(slow_dir, seed=2, held_out=0.4)
+    slow, slow_returned, slow_fewer, slow_fewer_returned = _run(slow_dir, seed=2, held_out=0.4)
 
     atlas = kvmem.open(source)
     chosen = len(atlas.layers) * len(range(0, atlas.d_ff, 3))
-    assert len(calls) == 2 * chosen  # explain and score read every neuron one at a time
+    assert len(calls) == 2 * chosen + len(fast_fewer_returned) // (2 if which == "gated" else 1)  # one at a time
     assert len(fast) == chosen * (2 if which == "gated" else 1)
     if which == "gated":
         assert set(fast.side) == {"positive", "negative"}
@@ -73,6 +77,8 @@ def test_array_path_stores_exactly_what_the_per_side_path_stores(which, explain_
     assert fast.explain_codes.map(len).min() > 0 and fast.detection_codes.map(len).min() > 0
     pd.testing.assert_frame_equal(fast, slow, check_exact=True)
     pd.testing.assert_frame_equal(fast_returned, slow_returned, check_exact=True, check_dtype=False)
+    pd.testing.assert_frame_equal(fast_fewer, slow_fewer, check_exact=True)
+    pd.testing.assert_frame_equal(fast_fewer_returned, slow_fewer_returned, check_exact=True, check_dtype=False)
 
 
 def test_bootstrap_many_equals_one_bootstrap_per_task():

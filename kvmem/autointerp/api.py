@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import namedtuple
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ from kvmem.autointerp import store
 from kvmem.autointerp.bulk import layer_evidence
 from kvmem.autointerp.evidence import neuron_sides
 from kvmem.autointerp.explainers import BackendOptions, get_explainer, get_judge
+from kvmem.autointerp.explanation import Explanation
 from kvmem.autointerp.judges import TokensJudge, rule_of
 from kvmem.autointerp.layertable import read_contexts, read_layer
 from kvmem.autointerp.randominit import random_init_atlas
@@ -81,8 +82,9 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
             else:
                 found = layer_evidence(atlas, layer, part, sides=sides, seed=seed, held_out=held_out, contexts=contexts)
                 written = worker.explain([side for n in sorted(found) for side in found[n]])
-            rows = [{**asdict(e), "explain_codes": list(e.explain_codes), "split_seed": seed, "held_out": held_out}
-                    for e in written]
+            names = [f.name for f in fields(Explanation)]  # asdict would deep-copy every code tuple
+            rows = [{**{n: getattr(e, n) for n in names}, "explain_codes": list(e.explain_codes), "split_seed": seed,
+                     "held_out": held_out} for e in written]
             store.write(atlas.path, store.upsert(store.read(atlas.path), pd.DataFrame(rows)))
             bar.update(len(part))
     bar.close()
@@ -144,16 +146,23 @@ def read_user_file(atlas, path) -> pd.DataFrame:
 
 def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations=None, explainer: str | None = None,
           layers=None, neurons=None, baseline: str | None = None, seed: int = DEFAULT_SEED,
-          held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND, n_boot: int = N_BOOT, chunk: int = 4096,
-          options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
+          held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND, max_quiet: int | None = None,
+          n_boot: int = N_BOOT, chunk: int = 4096, options: BackendOptions | None = None,
+          progress: bool = False) -> pd.DataFrame:
     """Score stored explanations (or a user's file ``explanations=``) on held-out examples; store and return them.
 
     ``scorers``: names of :data:`kvmem.autointerp.scorers.SCORERS`;  ``judge``: ``tokens`` (apply the rule),
     ``hf:PATH`` or ``openai:URL``;  ``explainer``, ``layers``, ``neurons``: which stored rows;
-    ``baseline="random-init"``: also run the pipeline on a random-init copy (:mod:`kvmem.autointerp.randominit`).
+    ``baseline="random-init"``: also run the pipeline on a random-init copy (:mod:`kvmem.autointerp.randominit`);
+    ``per_band``: activating examples per band (simulation: top records); ``max_quiet``: at most this many
+    non-activating examples per side (detection; simulation: random records), None for all (cheaper LLM judging).
     Each score gets a bootstrap interval over examples and a derangement baseline (the same examples judged
     with another neuron's explanation of the same layer, side and explainer).
     """
+    for name, value in (("per_band", per_band), ("n_boot", n_boot), ("max_quiet", max_quiet)):
+        if not (value is None and name == "max_quiet") and (isinstance(value, bool) or not isinstance(value, int)
+                                                            or value < 1):
+            raise KvmemError(f"{name} must be an integer >= 1, got {value!r}")
     atlas = as_atlas(atlas)
     modules = get_scorers(scorers)
     if baseline is not None and baseline not in BASELINES:
@@ -185,7 +194,7 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
     contexts = read_contexts(atlas) if isinstance(worker, TokensJudge) else None
     if contexts is not None and all(m.NAME in FAST_SCORERS for m in modules):
         _score_layers(atlas, rows, scored, borrowed, modules, contexts=contexts, judge_label=judge_label, seed=seed,
-                      per_band=per_band, n_boot=n_boot)
+                      per_band=per_band, max_quiet=max_quiet, n_boot=n_boot)
     for begin in range(0, len(rows) if contexts is None else 0, chunk):
         stop = min(begin + chunk, len(rows))
         evidence = {}
@@ -201,7 +210,7 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
             for i in range(begin, stop):
                 key = (int(rows.layer[i]), int(rows.neuron[i]), int(rows.split_seed[i]), float(rows.held_out[i]))
                 side = evidence[key][rows.side[i]]
-                task = tasks[i] = module.build(side, per_band=per_band, seed=seed)
+                task = tasks[i] = module.build(side, per_band=per_band, seed=seed, max_quiet=max_quiet)
                 for which, j in (("score", i), ("baseline", int(borrowed[i]))):
                     if j < 0:
                         continue
@@ -230,14 +239,14 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
         store.write(atlas.path, store.upsert(store.read(atlas.path), scored.iloc[begin:stop]))
     if baseline == "random-init":
         scored = _random_init_scores(atlas, scored, scorers=[m.NAME for m in modules], judge=judge, seed=seed,
-                                     held_out=held_out, per_band=per_band, n_boot=n_boot, options=options,
-                                     progress=progress)
+                                     held_out=held_out, per_band=per_band, max_quiet=max_quiet, n_boot=n_boot,
+                                     options=options, progress=progress)
         store.write(atlas.path, store.upsert(store.read(atlas.path), scored))
     return scored
 
 
 def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.ndarray, modules, *, contexts,
-                  judge_label: str, seed: int, per_band: int, n_boot: int) -> None:
+                  judge_label: str, seed: int, per_band: int, max_quiet: int | None, n_boot: int) -> None:
     """The tokens judge's scores of ``rows`` into ``scored``, a layer at a time on arrays
     (:func:`kvmem.autointerp.vectorised.score_layer`; equal to the per-row loop of :func:`score`), stored per layer."""
     keys = KeyTables.build(contexts)
@@ -258,7 +267,7 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
             name = module.NAME
             got = score_layer(table, keys, name, side_index, [rules[i] for i in index],
                               [rules[j] if j >= 0 else None for j in lender], per_band=per_band, seed=seed,
-                              n_boot=n_boot)
+                              n_boot=n_boot, max_quiet=max_quiet)
             scored.loc[index, name], scored.loc[index, f"{name}_low"] = got.score, got.low
             scored.loc[index, f"{name}_high"] = got.high
             scored.loc[index, f"{name}_n"] = got.n.astype(scored[f"{name}_n"].dtype)
@@ -275,7 +284,7 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
 
 
 def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,
-                        per_band: int, n_boot: int, options, progress: bool) -> pd.DataFrame:
+                        per_band: int, max_quiet: int | None, n_boot: int, options, progress: bool) -> pd.DataFrame:
     """``rows`` with S_random_init (and interval): the same explainer, scorers and judge on the same neuron sides
     of the random-init sibling atlas (:func:`kvmem.autointerp.randominit.random_init_atlas`)."""
     sibling = random_init_atlas(atlas, seed=seed, progress=progress)
@@ -286,7 +295,7 @@ def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed:
         pairs = sorted(set(zip(group.layer.astype(int), group.neuron.astype(int))))
         explain(sibling, neurons=pairs, explainer=str(name), seed=seed, held_out=held_out, options=options)
         other = score(sibling, scorers=scorers, judge=judge, explainer=str(name), neurons=pairs, seed=seed,
-                      held_out=held_out, per_band=per_band, n_boot=n_boot, options=options)
+                      held_out=held_out, per_band=per_band, max_quiet=max_quiet, n_boot=n_boot, options=options)
         index = {(int(r.layer), int(r.neuron), r.side): r for r in other.itertuples(index=False)}
         for i in group.index:
             match = index.get((int(rows.layer[i]), int(rows.neuron[i]), rows.side[i]))

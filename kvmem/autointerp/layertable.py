@@ -54,9 +54,7 @@ def _padded(column, width: int | None = None, fill=np.nan, dtype=np.float64) -> 
     width = int(lengths.max(initial=0)) if width is None else width
     flat = column.flatten().to_numpy(zero_copy_only=False)
     out = np.full((len(lengths), width), fill, dtype)
-    rows = np.repeat(np.arange(len(lengths)), lengths)
-    cols = np.arange(len(rows)) - np.repeat(offsets[:-1] - offsets[0], lengths)
-    out[rows, cols] = flat
+    out[np.arange(width)[None, :] < lengths[:, None]] = flat  # row-major: the flat values in order
     return out, lengths
 
 
@@ -129,9 +127,10 @@ class LayerExamples:
     Sides [S]: ``neuron``, ``side`` (names), ``sign`` (+1 / -1), ``threshold``, ``writes`` / ``opposes``
     (token tuples). Examples [E]: ``owner`` (the side), ``code``, ``band`` (index into
     :data:`~kvmem.autointerp.evidence.BANDS`), ``ctx`` (row of ``contexts``), ``index`` (the kept token),
-    ``activation`` (side activation), ``acts`` [E, W] side activations per context token (NaN past the
-    end), ``has_acts`` (context coefficients stored), ``active``, ``held``. ``start`` [S + 1]: each side's
-    examples are ``start[s]:start[s + 1]``."""
+    ``activation`` (side activation), ``src`` (its row of ``source_acts`` [rows, W], the stored context
+    coefficients m_i of the layer's trigger and sample rows, float32 as stored, NaN past the end; read
+    them through :meth:`side_acts`), ``has_acts`` (context coefficients stored), ``active``, ``held``.
+    ``start`` [S + 1]: each side's examples are ``start[s]:start[s + 1]``."""
 
     layer: int
     neuron: np.ndarray
@@ -146,13 +145,21 @@ class LayerExamples:
     ctx: np.ndarray
     index: np.ndarray
     activation: np.ndarray
-    acts: np.ndarray
+    src: np.ndarray
+    source_acts: np.ndarray
     has_acts: np.ndarray
     active: np.ndarray
     held: np.ndarray
     start: np.ndarray
     contexts: Contexts
     convention: str
+
+    def side_acts(self, rows, positions=None) -> np.ndarray:
+        """Side activations (float64) of example ``rows`` at every context token [n, W], or at ``positions`` [n]."""
+        sign = self.sign[self.owner[rows]]
+        if positions is None:
+            return sign[:, None] * self.source_acts[self.src[rows]].astype(np.float64)
+        return sign * self.source_acts[self.src[rows], positions].astype(np.float64)
 
     def sides(self) -> list[SideEvidence]:
         """The same evidence as :class:`SideEvidence` objects, in side order (what LLM explainers read)."""
@@ -162,7 +169,7 @@ class LayerExamples:
             examples = []
             for e in range(self.start[s], self.start[s + 1]):
                 c = self.ctx[e]
-                acts = tuple(self.acts[e, :length[c]].tolist()) if self.has_acts[e] else None
+                acts = tuple(self.side_acts([e])[0, :length[c]].tolist()) if self.has_acts[e] else None
                 examples.append(Example(int(self.code[e]), BANDS[self.band[e]], tokens[c], int(self.index[e]),
                                         float(self.activation[e]), acts, bool(self.active[e]), bool(self.held[e])))
             out.append(SideEvidence(layer=self.layer, neuron=int(self.neuron[s]), side=self.side[s],
@@ -223,71 +230,69 @@ def read_layer(atlas, layer: int, neurons, *, sides, seed: int, held_out: float,
     for n, k, t in zip(vneuron[order].tolist(), vkind[order].tolist(), vtoken[order].tolist()):
         if k in ("promote", "suppress"):
             (promoted if k == "promote" else suppressed)[n].append(t)
-    # rows of triggers and samples: source 0 triggers, 1 random samples, 2 bin samples
-    columns = {}
-    for name, table in (("trig", trig), ("samp", samp)):
-        acts, acts_len = _padded(table.column("context_activations"), width=contexts.width)
-        code = _codes(table)
-        ctx = contexts.rows(code)
-        columns[name] = dict(neuron=np.searchsorted(neurons, np.asarray(table.column("neuron").to_numpy(), np.int64)),
-                             kind=np.asarray(table.column("kind").to_numpy(zero_copy_only=False), dtype=object),
-                             activation=np.asarray(table.column("activation").to_numpy(), np.float64),
-                             code=code, ctx=ctx, acts=acts, has_acts=(acts_len == contexts.length[ctx]) & (acts_len > 0),
-                             bin=np.asarray(table.column("bin").to_numpy(), np.int64) if name == "samp" else None)
-    t, s = columns["trig"], columns["samp"]
-    with_context = contexts.length[s["ctx"]] > 0
-    split_codes = np.concatenate([t["code"], s["code"]])
-    unique_codes, inverse = np.unique(split_codes, return_inverse=True)
-    held_all = held_out_mask(unique_codes, seed=seed, held_out=held_out)[inverse]
-    held_t, held_s = held_all[:len(t["code"])], held_all[len(t["code"]):]
-    parts = []
+    # the source rows: the triggers, then the samples; every example points at one of them
+    acts_t, len_t = _padded(trig.column("context_activations"), width=contexts.width, dtype=np.float32)
+    acts_s, len_s = _padded(samp.column("context_activations"), width=contexts.width, dtype=np.float32)
+    code = np.concatenate([_codes(trig), _codes(samp)])
+    ctx = contexts.rows(code)
+    acts_len = np.concatenate([len_t, len_s])
+    source = dict(
+        neuron=np.searchsorted(neurons, np.concatenate([np.asarray(x.column("neuron").to_numpy(), np.int64)
+                                                        for x in (trig, samp)])),
+        activation=np.concatenate([np.asarray(x.column("activation").to_numpy(), np.float64) for x in (trig, samp)]),
+        code=code, ctx=ctx, has_acts=(acts_len == contexts.length[ctx]) & (acts_len > 0))
+    n_trig = trig.num_rows
+    trig_kind = np.asarray(trig.column("kind").to_numpy(zero_copy_only=False), dtype=object)
+    samp_kind = np.asarray(samp.column("kind").to_numpy(zero_copy_only=False), dtype=object)
+    samp_bin = np.asarray(samp.column("bin").to_numpy(), np.int64)
+    with_context = contexts.length[ctx[n_trig:]] > 0
+    unique_codes, inverse = np.unique(code, return_inverse=True)
+    source["held"] = held_out_mask(unique_codes, seed=seed, held_out=held_out)[inverse]
+    random_rows = n_trig + np.flatnonzero(with_context & (samp_kind == "random"))
+    bin_rows = np.flatnonzero(with_context & (samp_kind == "bin"))
+    parts, thresholds = [], []
     for k, side in enumerate(sides):
         kind, _, sign = SIDES[side]
         band_of_bin, threshold = _histogram_levels(counts, low, high, sign)
-        pick_t = np.flatnonzero(t["kind"] == kind)
-        pick_r = np.flatnonzero(with_context & (s["kind"] == "random"))
-        pick_b = np.flatnonzero(with_context & (s["kind"] == "bin"))
-        n_pos = np.concatenate([t["neuron"][pick_t], s["neuron"][pick_r], s["neuron"][pick_b]])  # rank in neurons
-        act_t, act_r, act_b = (sign * t["activation"][pick_t], sign * s["activation"][pick_r],
-                               sign * s["activation"][pick_b])
-        band = np.concatenate([np.full(len(pick_t), BAND_CODE["top"], np.int8),
-                               np.full(len(pick_r), BAND_CODE["random"], np.int8),
-                               band_of_bin[n_pos[len(pick_t) + len(pick_r):], s["bin"][pick_b]]]).astype(np.int8)
-        active = np.concatenate([np.ones(len(pick_t), bool), act_r >= threshold[n_pos[len(pick_t):len(pick_t) + len(pick_r)]],
-                                 band[len(pick_t) + len(pick_r):] != BAND_CODE["below"]])
-        code = np.concatenate([t["code"][pick_t], s["code"][pick_r], s["code"][pick_b]])
-        # a side's candidates in order (triggers, random, bin; file order within each), then the first of each code
+        thresholds.append(threshold)
+        # a side's candidates in order (its triggers, the random samples, the bin samples; file order in each)
+        cand = np.concatenate([np.flatnonzero(trig_kind == kind), random_rows, n_trig + bin_rows])
+        n_pos = source["neuron"][cand]
+        n_t, n_r = len(cand) - len(random_rows) - len(bin_rows), len(random_rows)
+        band = np.concatenate([np.full(n_t, BAND_CODE["top"], np.int8), np.full(n_r, BAND_CODE["random"], np.int8),
+                               band_of_bin[n_pos[n_t + n_r:], samp_bin[bin_rows]]])
+        active = np.concatenate([np.ones(n_t, bool),
+                                 sign * source["activation"][random_rows] >= threshold[n_pos[n_t:n_t + n_r]],
+                                 band[n_t + n_r:] != BAND_CODE["below"]])
+        # the first candidate of each (neuron, code), in the side's order
         order = np.argsort(n_pos, kind="stable")
-        by_code = order[np.lexsort((np.arange(len(order)), code[order], n_pos[order]))]
+        cand_code = code[cand]
+        by_code = order[np.lexsort((np.arange(len(order)), cand_code[order], n_pos[order]))]
         first = np.ones(len(by_code), bool)
-        first[1:] = (n_pos[by_code][1:] != n_pos[by_code][:-1]) | (code[by_code][1:] != code[by_code][:-1])
+        first[1:] = (n_pos[by_code][1:] != n_pos[by_code][:-1]) | (cand_code[by_code][1:] != cand_code[by_code][:-1])
         rank_of = np.empty(len(order), np.int64)
         rank_of[order] = np.arange(len(order))
-        keep = np.sort(rank_of[by_code[first]])
-        chosen = order[keep]
-        parts.append(dict(
-            owner=n_pos[chosen] * len(sides) + k, code=code[chosen], band=band[chosen],
-            ctx=np.concatenate([t["ctx"][pick_t], s["ctx"][pick_r], s["ctx"][pick_b]])[chosen],
-            activation=np.concatenate([act_t, act_r, act_b])[chosen],
-            acts=sign * np.concatenate([t["acts"][pick_t], s["acts"][pick_r], s["acts"][pick_b]])[chosen],
-            has_acts=np.concatenate([t["has_acts"][pick_t], s["has_acts"][pick_r], s["has_acts"][pick_b]])[chosen],
-            active=active[chosen],
-            held=np.concatenate([held_t[pick_t], held_s[pick_r], held_s[pick_b]])[chosen],
-            threshold=threshold))
-    merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0] if name != "threshold"}
+        chosen = order[np.sort(rank_of[by_code[first]])]
+        parts.append(dict(owner=n_pos[chosen] * len(sides) + k, src=cand[chosen], band=band[chosen],
+                          active=active[chosen]))
+    merged = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     order = np.argsort(merged["owner"], kind="stable")
     merged = {name: value[order] for name, value in merged.items()}
     n_sides = len(neurons) * len(sides)
-    start = np.searchsorted(merged["owner"], np.arange(n_sides + 1))
     side_sign = np.tile([SIDES[side][2] for side in sides], len(neurons)).astype(np.int64)
-    threshold = np.stack([p["threshold"] for p in parts], axis=1).ravel()
+    src = merged["src"]
     writes, opposes = [], []
     for n in neurons.tolist():
         for side in sides:
             up, down = tuple(promoted[n]), tuple(suppressed[n])
             writes.append(up if SIDES[side][2] > 0 else down)
             opposes.append(down if SIDES[side][2] > 0 else up)
-    merged["index"] = contexts.trigger[merged["ctx"]]
-    return LayerExamples(layer=int(layer), neuron=np.repeat(neurons, len(sides)), side=list(sides) * len(neurons),
-                         sign=side_sign, threshold=threshold, writes=writes, opposes=opposes, start=start,
-                         contexts=contexts, convention=convention, **merged)
+    example_ctx = source["ctx"][src]
+    return LayerExamples(
+        layer=int(layer), neuron=np.repeat(neurons, len(sides)), side=list(sides) * len(neurons), sign=side_sign,
+        threshold=np.stack(thresholds, axis=1).ravel(), writes=writes, opposes=opposes,
+        owner=merged["owner"], code=source["code"][src], band=merged["band"], ctx=example_ctx,
+        index=contexts.trigger[example_ctx], activation=side_sign[merged["owner"]] * source["activation"][src],
+        src=src, source_acts=np.concatenate([acts_t, acts_s]), has_acts=source["has_acts"][src],
+        active=merged["active"], held=source["held"][src],
+        start=np.searchsorted(merged["owner"], np.arange(n_sides + 1)), contexts=contexts, convention=convention)

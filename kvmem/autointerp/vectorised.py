@@ -244,12 +244,14 @@ def _selected_active(table, per_band: int) -> np.ndarray:
     return rows[np.lexsort((position, first_seen, owner))]
 
 
-def _tasks(table, scorer: str, *, per_band: int, seed: int) -> _Tasks:
+def _tasks(table, scorer: str, *, per_band: int, seed: int, max_quiet: int | None) -> _Tasks:
     n_sides = len(table.side)
     length = table.contexts.length[table.ctx]
     if scorer == "detection":
         active = _selected_active(table, per_band)
         quiet = _held_sorted(table, (table.band == BAND_CODE["random"]) & ~table.active)
+        if max_quiet is not None:
+            quiet = quiet[_segment_rank(table.owner[quiet]) < max_quiet]
         rows = np.concatenate([active, quiet])
         rows = rows[np.argsort(table.owner[rows], kind="stable")]
         example, position, truth = rows, table.index[rows], table.active[rows]
@@ -261,7 +263,7 @@ def _tasks(table, scorer: str, *, per_band: int, seed: int) -> _Tasks:
         kept = table.contexts.raw[table.ctx[rows], table.index[rows]][:, None]
         raw = table.contexts.raw[table.ctx[rows]]
         stored = table.has_acts[rows][:, None]
-        quiet = np.where(stored, table.acts[rows] < table.threshold[table.owner[rows]][:, None], raw != kept)
+        quiet = np.where(stored, table.side_acts(rows) < table.threshold[table.owner[rows]][:, None], raw != kept)
         others = quiet & (j < length[rows][:, None]) & (j != table.index[rows][:, None])
         count = others.sum(axis=1)
         rows, others, count = rows[count > 0], others[count > 0], count[count > 0]
@@ -279,13 +281,14 @@ def _tasks(table, scorer: str, *, per_band: int, seed: int) -> _Tasks:
         rank = np.zeros(len(rows), np.int64)
         for mask in (top, rand):
             rank[mask] = _segment_rank(owner[mask])
-        keep = (top & (rank < MAX_TOP)) | (rand & (rank < MAX_RANDOM))
+        most_random = MAX_RANDOM if max_quiet is None else min(max_quiet, MAX_RANDOM)
+        keep = (top & (rank < min(per_band, MAX_TOP))) | (rand & (rank < most_random))
         rows = rows[keep]
         rows = rows[np.lexsort((table.code[rows], ~top[keep], table.owner[rows]))]
         lengths = length[rows]
         example = np.repeat(rows, lengths)
         position = np.arange(len(example)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        truth = table.acts[example, position]
+        truth = table.side_acts(example, position)
         repeats = lengths
     start = np.searchsorted(table.owner[example], np.arange(n_sides + 1))
     ex_start = np.searchsorted(table.owner[rows], np.arange(n_sides + 1))
@@ -359,13 +362,14 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
 
 
 def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rules_of_rows: list,
-                borrowed_rules: list, *, per_band: int = PER_BAND, seed: int = 0, n_boot: int = N_BOOT) -> ScoredRows:
+                borrowed_rules: list, *, per_band: int = PER_BAND, seed: int = 0, n_boot: int = N_BOOT,
+                max_quiet: int | None = None) -> ScoredRows:
     """Score R rows of one layer with the tokens judge. ``rows_side`` [R]: each row's side in ``table``;
     ``rules_of_rows`` [R]: its :class:`Rule`; ``borrowed_rules`` [R]: the rule its derangement baseline applies
     (None: no baseline). Equal to the scorer module's ``build`` + ``TokensJudge`` + ``evaluate`` per row."""
     if scorer not in FAST_SCORERS:
         raise KvmemError(f"unknown scorer {scorer!r}; choose from {', '.join(FAST_SCORERS)}")
-    tasks = _tasks(table, scorer, per_band=per_band, seed=seed)
+    tasks = _tasks(table, scorer, per_band=per_band, seed=seed, max_quiet=max_quiet)
     compiled, index = [], {}
     for rule in list(rules_of_rows) + [r for r in borrowed_rules if r is not None]:
         if id(rule) not in index:
