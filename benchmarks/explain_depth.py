@@ -53,9 +53,9 @@ def _fmt(stats: dict, digits: int = 3) -> str:
     return f"{stats['mean']:.{digits}f} [{stats['low']:.{digits}f}, {stats['high']:.{digits}f}]"
 
 
-def _explained(frame, column: str):
-    """1.0 where the side's interval of ``column`` lies above 0.5, 0.0 where not, NaN where unscored."""
-    low = frame[f"{column}_low"] if column == "detection" else frame[column.replace("detection", "detection") + "_low"]
+def _explained(low) -> np.ndarray:
+    """1.0 where a side's lower 95% bound of detection lies above 0.5, 0.0 where not, NaN where unscored."""
+    low = np.asarray(low, np.float64)
     return np.where(np.isfinite(low), (low > 0.5).astype(float), np.nan)
 
 
@@ -66,12 +66,10 @@ def _layer_rows(rows, scorers, random_init: bool) -> list[dict]:
         for name in scorers:
             entry[name] = {"model": _mean_ci(part[name]), "derangement": _mean_ci(part[f"{name}_baseline"]),
                            "random_init": _mean_ci(part[f"{name}_random_init"]) if random_init else None}
-        shares = {"model": _share(_explained(part, "detection")),
-                  "derangement": _share(np.where(np.isfinite(part.detection_baseline_low),
-                                                 (part.detection_baseline_low > 0.5).astype(float), np.nan))}
+        shares = {"model": _share(_explained(part.detection_low)),
+                  "derangement": _share(_explained(part.detection_baseline_low))}
         if random_init:
-            shares["random_init"] = _share(np.where(np.isfinite(part.detection_random_init_low),
-                                                    (part.detection_random_init_low > 0.5).astype(float), np.nan))
+            shares["random_init"] = _share(_explained(part.detection_random_init_low))
         entry["explained_share"] = shares
         out.append(entry)
     return out
@@ -112,7 +110,7 @@ def _figure(rows, scorers, random_init: bool, path: Path) -> None:
     plt.close(fig)
 
 
-def _hf_run(atlas, *, neurons: int, per_band: int, quiet: int, timing: dict) -> dict:
+def _hf_run(atlas, *, neurons: int, judged: int, per_band: int, quiet: int, sim_random: int, timing: dict) -> dict:
     import kvmem
     from kvmem.autointerp.explainers import BackendOptions
 
@@ -122,11 +120,16 @@ def _hf_run(atlas, *, neurons: int, per_band: int, quiet: int, timing: dict) -> 
     start = time.perf_counter()
     kvmem.explain(atlas, neurons=chosen, explainer="hf:smollm2-135m", sides=["positive"], options=options)
     timing["hf_explain_s"] = time.perf_counter() - start
-    result = {"neurons": chosen, "per_band": per_band, "quiet": quiet}
+    # judged: from the first and the last layer, several each, so that each has a derangement baseline
+    judged_pairs = [p for p in chosen if p[0] == layers[0]][:judged // 2] + \
+        [p for p in chosen if p[0] == layers[-1]][:judged - judged // 2]
+    result = {"neurons": chosen, "judged": judged_pairs, "per_band": per_band, "quiet": quiet,
+              "sim_random": sim_random}
     for name in ("detection", "simulation"):
         start = time.perf_counter()
         rows = kvmem.score(atlas, scorers=name, judge="hf:smollm2-135m", explainer="hf:smollm2-135m",
-                           neurons=chosen, per_band=per_band, max_quiet=quiet, options=options)
+                           neurons=judged_pairs, per_band=per_band if name == "detection" else 1,
+                           max_quiet=quiet if name == "detection" else sim_random, options=options)
         timing[f"hf_judge_{name}_s"] = time.perf_counter() - start
         result[name] = {"model": _mean_ci(rows[name]), "derangement": _mean_ci(rows[f"{name}_baseline"]),
                         "above_chance": _share(np.where(np.isfinite(rows[f"{name}_low"]),
@@ -134,9 +137,27 @@ def _hf_run(atlas, *, neurons: int, per_band: int, quiet: int, timing: dict) -> 
                                                         .astype(float), np.nan))}
     texts = kvmem.explanations(atlas, explainer="hf:smollm2-135m", neurons=chosen)
     result["texts"] = [{"layer": int(r.layer), "neuron": int(r.neuron), "text": r.text,
-                        "detection": float(r.detection), "simulation": float(r.simulation)}
+                        "detection": [float(r.detection), float(r.detection_low), float(r.detection_high),
+                                      float(r.detection_baseline)],
+                        "simulation": [float(r.simulation), float(r.simulation_low), float(r.simulation_high),
+                                       float(r.simulation_baseline)]}
                        for r in texts.itertuples()]
     return result
+
+
+def _report_hf(atlas, args, results: dict, timing: dict) -> None:
+    judged = args.hf_judged or args.hf
+    results["hf"] = _hf_run(atlas, neurons=args.hf, judged=judged, per_band=args.hf_per_band,
+                            quiet=args.hf_quiet, sim_random=args.hf_sim_random, timing=timing)
+    print(f"\nhf:smollm2-135m explainer, positive side of {args.hf} neurons; the same model as judge on {judged} "
+          f"of them, half from the first and half from the last layer (detection: {args.hf_per_band} activating examples per band, at most {args.hf_quiet} "
+          f"non-activating; simulation: 1 top and {args.hf_sim_random} random records):")
+    for t in results["hf"]["texts"]:
+        print(f"  L{t['layer']}/{t['neuron']}: {t['text'][:150]!r}")
+    for name in ("detection", "simulation"):
+        h = results["hf"][name]
+        print(f"  {name}: {_fmt(h['model'])}; derangement {_fmt(h['derangement'])}; sides whose interval "
+              f"lies above chance {_fmt(h['above_chance'])}")
 
 
 def main(argv=None) -> int:
@@ -150,8 +171,12 @@ def main(argv=None) -> int:
     parser.add_argument("--random-init", action="store_true")
     parser.add_argument("--fuzzing", action="store_true", help="also score fuzzing (tokens judge)")
     parser.add_argument("--hf", type=int, default=0, metavar="N", help="run the hf: explainer on N neurons")
-    parser.add_argument("--hf-per-band", type=int, default=2, help="activating examples per band, hf judge")
-    parser.add_argument("--hf-quiet", type=int, default=10, help="non-activating examples per side, hf judge")
+    parser.add_argument("--hf-judged", type=int, default=None, help="score the first N of them (default: all)")
+    parser.add_argument("--hf-per-band", type=int, default=2, help="activating examples per band, hf detection")
+    parser.add_argument("--hf-quiet", type=int, default=10, help="non-activating examples per side, hf detection")
+    parser.add_argument("--hf-sim-random", type=int, default=20,
+                        help="random records per side (plus one top record), hf simulation")
+    parser.add_argument("--only-hf", action="store_true", help="skip the tokens explainer part (atlas given)")
     parser.add_argument("--figure", default=None, help="write a box plot of the per-layer scores here (png)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -171,6 +196,18 @@ def main(argv=None) -> int:
     atlas = kvmem.open(atlas_dir)
     layers = [layer for layer in layers if layer in atlas.layers]
     neurons = [(layer, n) for layer in layers for n in range(atlas.d_ff)]
+    manifest = atlas.manifest
+    provenance = {"model": manifest.model["name"], "corpus": manifest.corpus.get("spec"), "tokens": manifest.tokens,
+                  "layers": layers, "kvmem_version": manifest.kvmem_version, "convention": atlas.default_convention}
+    if args.only_hf:
+        results = dict(provenance, timing=timing)
+        _report_hf(atlas, args, results, timing)
+        for key, seconds in timing.items():
+            count = args.hf if key == "hf_explain_s" else args.hf_judged or args.hf
+            print(f"  {key[:-2]}: {seconds:.1f} s, {seconds / count:.2f} s per neuron")
+        results["load_average_end"] = list(os.getloadavg())
+        (out / "depth-hf.json").write_text(json.dumps(results, indent=1) + "\n")
+        return 0
     start = time.perf_counter()
     kvmem.explain(atlas, neurons=neurons)
     timing["tokens_explain_s"] = time.perf_counter() - start
@@ -185,11 +222,8 @@ def main(argv=None) -> int:
                            baseline="random-init")
         timing["random_init_s"] = time.perf_counter() - start
     timing["neurons"] = len(neurons)
-    manifest = atlas.manifest
-    results = {"model": manifest.model["name"], "corpus": manifest.corpus.get("spec"), "tokens": manifest.tokens,
-               "layers": layers, "kvmem_version": manifest.kvmem_version, "convention": atlas.default_convention,
-               "load_average_end": list(os.getloadavg()), "timing": timing,
-               "per_layer": _layer_rows(rows, scorers, args.random_init)}
+    results = dict(provenance, load_average_end=list(os.getloadavg()), timing=timing,
+                   per_layer=_layer_rows(rows, scorers, args.random_init))
     print(f"{results['model']}, {results['tokens']:,} tokens of {results['corpus']}, kvmem {results['kvmem_version']}; "
           f"every neuron side of layers {layers} ({len(rows):,} sides); tokens explainer and judge")
     for name in scorers:
@@ -206,17 +240,12 @@ def main(argv=None) -> int:
         rand = _fmt(e["random_init"], 3) if "random_init" in e else "-"
         print(f"  layer {entry['layer']:>2}: {_fmt(e['model'])} | {_fmt(e['derangement'])} | {rand}")
     if args.hf:
-        results["hf"] = _hf_run(atlas, neurons=args.hf, per_band=args.hf_per_band, quiet=args.hf_quiet, timing=timing)
-        print(f"\nhf:smollm2-135m explainer and judge, positive side of {args.hf} neurons "
-              f"({args.hf_per_band} activating examples per band, at most {args.hf_quiet} non-activating):")
-        for name in ("detection", "simulation"):
-            h = results["hf"][name]
-            print(f"  {name}: {_fmt(h['model'])}; derangement {_fmt(h['derangement'])}; sides whose interval "
-                  f"lies above chance {_fmt(h['above_chance'])}")
+        _report_hf(atlas, args, results, timing)
     print("\ncosts (seconds per neuron):")
     for key, seconds in timing.items():
         if key.endswith("_s") and key != "scan_s":
-            count = args.hf if key.startswith("hf_") else len(neurons)
+            count = (args.hf if key == "hf_explain_s" else args.hf_judged or args.hf) if key.startswith("hf_") \
+                else len(neurons)
             print(f"  {key[:-2]}: {seconds:.1f} s, {seconds / count:.4f} s per neuron")
     if "scan_s" in timing:
         print(f"  scan: {timing['scan_s']:.0f} s")

@@ -69,24 +69,34 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
     layer_wise = getattr(worker, "explain_layer", None) if contexts is not None else None
     keys = KeyTables.build(contexts) if layer_wise is not None else None
     bar = tqdm(total=len(todo), desc="explain", unit="neuron", disable=not progress)
-    by_layer: dict[int, list[int]] = {}
-    for layer, neuron in todo:
-        by_layer.setdefault(layer, []).append(neuron)
-    for layer, wanted in by_layer.items():  # chunks within a layer: each layer's tables are read once per chunk
-        for begin in range(0, len(wanted), chunk):
-            part = wanted[begin:begin + chunk]
+    # chunks: of one layer for the array path (its tables read once per chunk), across layers for an LLM (one batch)
+    chunks = []
+    if layer_wise is not None:
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for pair in todo:
+            by_layer.setdefault(pair[0], []).append(pair)
+        chunks = [pairs[b:b + chunk] for pairs in by_layer.values() for b in range(0, len(pairs), chunk)]
+    else:
+        chunks = [todo[b:b + chunk] for b in range(0, len(todo), chunk)]
+    names = [f.name for f in fields(Explanation)]
+    for part in chunks:
+        written = []
+        for layer in sorted({layer for layer, _ in part}):
+            wanted = [n for l_, n in part if l_ == layer]
             if layer_wise is not None:
-                table = read_layer(atlas, layer, part, sides=neuron_sides(atlas, sides), seed=seed, held_out=held_out,
-                                   convention=atlas.default_convention, contexts=contexts)
-                written = layer_wise(table, keys)
+                table = read_layer(atlas, layer, wanted, sides=neuron_sides(atlas, sides), seed=seed,
+                                   held_out=held_out, convention=atlas.default_convention, contexts=contexts)
+                written.extend(layer_wise(table, keys))
             else:
-                found = layer_evidence(atlas, layer, part, sides=sides, seed=seed, held_out=held_out, contexts=contexts)
-                written = worker.explain([side for n in sorted(found) for side in found[n]])
-            names = [f.name for f in fields(Explanation)]  # asdict would deep-copy every code tuple
-            rows = [{**{n: getattr(e, n) for n in names}, "explain_codes": list(e.explain_codes), "split_seed": seed,
-                     "held_out": held_out} for e in written]
-            store.write(atlas.path, store.upsert(store.read(atlas.path), pd.DataFrame(rows)))
-            bar.update(len(part))
+                found = layer_evidence(atlas, layer, wanted, sides=sides, seed=seed, held_out=held_out,
+                                       contexts=contexts)
+                written.extend(side for n in sorted(found) for side in found[n])
+        if layer_wise is None:
+            written = worker.explain(written)  # one call: an LLM backend batches all sides of the chunk
+        rows = [{**{n: getattr(e, n) for n in names}, "explain_codes": list(e.explain_codes), "split_seed": seed,
+                 "held_out": held_out} for e in written]  # not asdict: it would deep-copy every code tuple
+        store.write(atlas.path, store.upsert(store.read(atlas.path), pd.DataFrame(rows)))
+        bar.update(len(part))
     bar.close()
     return explanations(atlas, explainer=explainer, neurons=chosen)
 
