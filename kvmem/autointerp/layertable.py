@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from kvmem.autointerp.evidence import ACTIVE_LEVELS, BANDS, Example, SideEvidence
 from kvmem.autointerp.rules import normalize
 from kvmem.autointerp.splits import held_out_mask
+from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES
 
 __all__ = ["Contexts", "LayerExamples", "read_contexts", "read_layer", "BAND_CODE"]
@@ -83,8 +84,6 @@ class Contexts:
         at = np.searchsorted(self.codes, codes)
         at = np.minimum(at, max(len(self.codes) - 1, 0))
         if len(codes) and (not len(self.codes) or (self.codes[at] != codes).any()):
-            from kvmem.errors import KvmemError
-
             raise KvmemError("some triggers or samples point at positions missing from the contexts table; "
                              "the atlas is damaged, scan again")
         return at
