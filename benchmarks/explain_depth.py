@@ -135,7 +135,7 @@ def _hf_run(atlas, *, neurons: int, judged: int, per_band: int, quiet: int, sim_
                         "above_chance": _share(np.where(np.isfinite(rows[f"{name}_low"]),
                                                         (rows[f"{name}_low"] > (0.5 if name == "detection" else 0))
                                                         .astype(float), np.nan))}
-    texts = kvmem.explanations(atlas, explainer="hf:smollm2-135m", neurons=chosen)
+    texts = atlas.explanations(explainer="hf:smollm2-135m")
     result["texts"] = [{"layer": int(r.layer), "neuron": int(r.neuron), "text": r.text,
                         "detection": [float(r.detection), float(r.detection_low), float(r.detection_high),
                                       float(r.detection_baseline)],
