@@ -114,6 +114,10 @@ def test_user_file_scored_and_bad_inputs_one_line_each(explain_atlas, tmp_path, 
     assert "unknown explainer 'gpt'" in _cli_error(capsys, ["explain", "--atlas", path, "--all", "--explainer", "gpt"])
     with pytest.raises(KvmemError, match="unknown baseline"):
         kvmem.score(explain_atlas, explanations=good, baseline="shuffled")
+    assert "max_quiet must be an integer >= 1, got 0" in _cli_error(
+        capsys, ["score", "--atlas", path, "--explanations", str(good), "--max-quiet", "0"])
+    with pytest.raises(KvmemError, match="per_band must be an integer >= 1"):
+        kvmem.score(explain_atlas, explanations=good, per_band=0)
 
 
 def test_killed_explain_resumes_and_matches_a_clean_run(explain_atlas, tmp_path):

@@ -1,5 +1,7 @@
 """The evidence of many neurons of one layer at once: each atlas table read once per layer.
 
+Atlases of format 3 (a ``contexts`` table) are read by :func:`kvmem.autointerp.layertable.read_layer`.
+For format 2 (texts in every trigger row, ``sample_contexts`` for the samples):
 :func:`kvmem.autointerp.evidence.load_evidence` asks the atlas's per-neuron queries, which read a
 whole row group (``ROW_GROUP_NEURONS`` neurons) to return one neuron; over a layer that reads every
 group that many times. Here the layer's rows of ``triggers``, ``samples`` (joined once to
@@ -16,6 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from kvmem.autointerp.evidence import ROW_COLUMNS, load_evidence, neuron_sides, sides_from_rows
+from kvmem.autointerp.layertable import read_contexts, read_layer
 
 __all__ = ["layer_evidence"]
 
@@ -54,13 +57,20 @@ def _cuts(frame) -> dict[int, slice]:
 
 
 def layer_evidence(atlas, layer: int, neurons, *, sides=None, seed: int, held_out: float,
-                   convention: str | None = None) -> dict[int, list]:
-    """neuron -> its sides' :class:`~kvmem.autointerp.evidence.SideEvidence`, for ``neurons`` of ``layer``."""
+                   convention: str | None = None, contexts=None) -> dict[int, list]:
+    """neuron -> its sides' :class:`~kvmem.autointerp.evidence.SideEvidence`, for ``neurons`` of ``layer``.
+    ``contexts``: :func:`~kvmem.autointerp.layertable.read_contexts` of the atlas, if the caller has it."""
     neurons = sorted({int(n) for n in neurons})
     for n in neurons:
         atlas.check(layer, n)
     convention = convention or atlas.default_convention
     chosen = neuron_sides(atlas, sides)
+    contexts = contexts or read_contexts(atlas)
+    if contexts is not None:
+        table = read_layer(atlas, layer, neurons, sides=chosen, seed=seed, held_out=held_out, convention=convention,
+                           contexts=contexts)
+        found = table.sides()
+        return {n: found[i * len(chosen):(i + 1) * len(chosen)] for i, n in enumerate(neurons)}
     if not _readable(atlas):
         return {n: load_evidence(atlas, layer, n, sides=chosen, seed=seed, held_out=held_out, convention=convention)
                 for n in neurons}

@@ -13,11 +13,19 @@ from kvmem.autointerp.prompts import PROMPTS, parse_simulation, parse_yes_no, re
 from kvmem.autointerp.rules import Rule
 from kvmem.errors import KvmemError
 
-__all__ = ["TokensJudge", "LLMJudge"]
+__all__ = ["TokensJudge", "LLMJudge", "rule_of"]
 
 
 def _label(e) -> str:
     return f"L{e.layer}/{e.neuron} {e.side}"
+
+
+def rule_of(explanation) -> Rule:
+    """The rule of an explanation (anything with ``rule``, ``layer``, ``neuron``, ``side``); one line if it has none."""
+    if not explanation.rule:
+        raise KvmemError(f"the explanation of {_label(explanation)} has no rule, and the tokens judge only "
+                         f"applies rules; score free text with --judge hf:PATH or --judge openai:URL")
+    return Rule.from_json(explanation.rule)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +39,7 @@ class TokensJudge:
         rules: dict[str, Rule] = {}
         out = []
         for explanation, scorer, query in jobs:
-            if not explanation.rule:
-                raise KvmemError(f"the explanation of {_label(explanation)} has no rule, and the tokens judge only "
-                                 f"applies rules; score free text with --judge hf:PATH or --judge openai:URL")
-            rule = rules.get(explanation.rule) or rules.setdefault(explanation.rule, Rule.from_json(explanation.rule))
+            rule = rules.get(explanation.rule) or rules.setdefault(explanation.rule, rule_of(explanation))
             if scorer == "simulation":
                 out.append([10.0 if f else 0.0 for f in rule.fires_all(query.tokens)])
             else:

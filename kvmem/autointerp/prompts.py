@@ -32,13 +32,15 @@ class Prompt:
 
 
 PROMPTS: dict[str, Prompt] = {p.name: p for p in (
-    Prompt(name="explain", version="1", system=(
+    Prompt(name="explain", version="2", system=(
         "You study one unit inside a language model. You see text excerpts where the unit fires strongly; "
         "the token where it fires most is wrapped in << >>, and a number after a token in [brackets] says how "
-        "strongly it fires there (0 to 10). You also see the tokens the unit makes more likely when it fires. "
-        "Describe in one short sentence which tokens or contexts make it fire, and what it writes."),
+        "strongly it fires there (0 to 10). You also see the tokens the unit makes more likely and less likely "
+        "when it fires. Describe in one short sentence which tokens or contexts make it fire, and what it "
+        "writes."),
         user=("Excerpts where the unit fires:\n{examples}\n\nWhen it fires it makes these tokens more likely: "
-              "{writes}\n\nAnswer with one line that starts with 'Explanation:'.")),
+              "{writes}\nand these less likely: {opposes}\n\nAnswer with one line that starts with "
+              "'Explanation:'.")),
     Prompt(name="detection", version="1", system=(
         "You check an explanation of a unit inside a language model. Given the explanation and a text, say "
         "whether the unit fires on the LAST token of the text. Answer only yes or no."),

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--baseline", default=None, choices=list(BASELINES),
                             help="also run the pipeline on a random-init copy of the model")
         parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates (default 1000)")
+        parser.add_argument("--per-band", type=int, default=10, help="activating examples per band (default 10)")
+        parser.add_argument("--max-quiet", type=int, default=None,
+                            help="at most this many non-activating examples per side (default: all held out)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the explain/held-out split and the baselines")
     parser.add_argument("--model-name", default="default", help="the model an openai: endpoint serves")
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable with the API key")
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = score(args.atlas, scorers=args.scorers, judge=args.judge, explanations=args.explanations,
                  explainer=args.explainer, layers=args.layers, neurons=neurons, baseline=args.baseline, seed=args.seed,
-                 n_boot=args.n_boot, options=options, progress=not args.no_progress)
+                 n_boot=args.n_boot, per_band=args.per_band, max_quiet=args.max_quiet, options=options,
+                 progress=not args.no_progress)
     names = [n for n in args.scorers.split(",") if n]
     summary = ", ".join(f"{n} mean {rows[n].mean():.3f} (baseline {rows[f'{n}_baseline'].mean():.3f})" for n in names)
     print(f"scored {len(rows)} explanation(s) with judge {args.judge}: {summary}")

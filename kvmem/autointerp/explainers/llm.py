@@ -3,7 +3,8 @@
 The prompt (:data:`kvmem.autointerp.prompts.PROMPTS` ``explain``) shows up to ``max_examples`` activating
 explain-set examples, strongest first: triggers with their per-token side activations scaled to
 0..10 by the side's strongest shown activation, bin samples with their kept token highlighted; and the
-tokens the side's memory writes (its promoted tokens). The answer's 'Explanation:' line is the text.
+tokens the side's memory writes and pushes down (the value's promoted and suppressed tokens, swapped
+for the negative side). The answer's 'Explanation:' line is the text.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def explain_messages(side, *, max_examples: int = 12, writes: int = 10) -> tuple
             [max(0, min(10, round(10 * a / scale))) for a in e.activations]
         lines.append("- " + render_context(e.tokens, e.index, strengths))
     written = ", ".join(repr(t) for t in side.writes[:writes]) or "(unknown)"
-    return PROMPTS["explain"].messages(examples="\n".join(lines) or "(none)", writes=written), \
+    opposed = ", ".join(repr(t) for t in side.opposes[:writes]) or "(unknown)"
+    return PROMPTS["explain"].messages(examples="\n".join(lines) or "(none)", writes=written, opposes=opposed), \
         tuple(e.code for e in shown)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvmem.autointerp.explanation import Explanation
 from kvmem.autointerp.rules import RULE_KINDS, Rule, key_at
+from kvmem.autointerp.vectorised import explain_layer
 from kvmem.errors import KvmemError
 
 __all__ = ["TokensExplainer", "fit_rule"]
@@ -64,6 +65,12 @@ class TokensExplainer:
 
     def explain(self, evidence: list) -> list[Explanation]:
         return [self.explain_side(side) for side in evidence]
+
+    def explain_layer(self, table, keys) -> list[Explanation]:
+        """Every side of a :class:`~kvmem.autointerp.layertable.LayerExamples` at once (equal to ``explain_side``
+        of each; :func:`kvmem.autointerp.vectorised.explain_layer`)."""
+        return explain_layer(table, keys, max_tokens=self.max_tokens, min_support=self.min_support,
+                             writes=self.writes, name=self.name)
 
     def explain_side(self, side) -> Explanation:
         seen = side.part(held_out=False)

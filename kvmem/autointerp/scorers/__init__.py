@@ -1,7 +1,7 @@
 """The scorers: one module each, registered by name (``kvmem score --scorers``).
 
 Each module has ``NAME``, ``ANSWER`` (what the judge returns per query: ``bool`` or ``values``),
-``build(side, *, per_band, seed) -> Task`` and ``evaluate(task, answers, *, seed, n_boot, judge) -> Score``.
+``build(side, *, per_band, seed, max_quiet) -> Task`` and ``evaluate(task, answers, *, seed, n_boot, judge) -> Score``.
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ NAME = "detection"
 ANSWER = "bool"
 
 
-def build(side, *, per_band: int = PER_BAND, seed: int = 0) -> Task:
+def build(side, *, per_band: int = PER_BAND, seed: int = 0, max_quiet: int | None = None) -> Task:
+    """``max_quiet``: at most this many non-activating examples (the first by code; None: all held-out ones)."""
     held = side.part(held_out=True)
-    chosen = select_active(held, per_band) + sorted((e for e in held if e.band == "random" and not e.active),
-                                                    key=lambda e: e.code)
+    quiet = sorted((e for e in held if e.band == "random" and not e.active), key=lambda e: e.code)
+    chosen = select_active(held, per_band) + quiet[:max_quiet]
     queries = tuple(Query(tokens=e.tokens[:e.index + 1], index=e.index) for e in chosen)
     return Task(scorer=NAME, queries=queries, truth=tuple(e.active for e in chosen), group=tuple(range(len(chosen))),
                 codes=tuple(e.code for e in chosen))

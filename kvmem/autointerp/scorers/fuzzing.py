@@ -34,7 +34,8 @@ def wrong_position(example, threshold: float, seed: int) -> int | None:
     return others[pick]
 
 
-def build(side, *, per_band: int = PER_BAND, seed: int = 0) -> Task:
+def build(side, *, per_band: int = PER_BAND, seed: int = 0, max_quiet: int | None = None) -> Task:
+    """(``max_quiet`` is unused: every query comes from an activating example.)"""
     queries, truth, group, codes = [], [], [], []
     for e in select_active(side.part(held_out=True), per_band):
         wrong = wrong_position(e, side.threshold, seed)

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 __all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
-           "moment_sums", "pearson_from", "N_BOOT", "LEVEL"]
+           "moment_sums", "pearson_from", "bootstrap_many", "N_BOOT", "LEVEL"]
 
 N_BOOT = 1000
 LEVEL = 0.95
@@ -112,3 +112,41 @@ def bootstrap(statistic, sums, *, n_boot: int = N_BOOT, level: float = LEVEL, se
     tail = (1 - level) / 2
     low, high = np.quantile(values, [tail, 1 - tail])
     return float(low), float(high)
+
+
+def bootstrap_many(statistic, sums_list, *, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0,
+                   exact_sums: bool = False, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`bootstrap` of many tasks at once: ``sums_list`` [R] of per-group sums [G_r, k] -> (low [R], high [R]),
+    equal to R calls of :func:`bootstrap`. Tasks with the same G share one draw matrix; their replicate sums are
+    one batched product when ``exact_sums`` (integer-valued sums, so the order of additions cannot matter), else
+    one product per task as in :func:`bootstrap`; statistics and quantiles run for ``batch`` tasks at once."""
+    low, high = np.full(len(sums_list), np.nan), np.full(len(sums_list), np.nan)
+    tail = (1 - level) / 2
+    by_size: dict[int, list[int]] = {}
+    for i, sums in enumerate(sums_list):
+        if len(sums):
+            by_size.setdefault(len(sums), []).append(i)
+    for n, all_members in by_size.items():
+        counts = _counts(n, n_boot, seed)
+        for begin in range(0, len(all_members), batch):
+            members = all_members[begin:begin + batch]
+            k = np.shape(sums_list[members[0]])[-1]
+            replicates = np.empty((k, len(members), n_boot))  # contiguous per statistic column
+            if exact_sums:
+                stacked = np.stack([np.asarray(sums_list[i], np.float64) for i in members])  # [R, G, k]
+                replicates[:] = np.moveaxis(counts @ stacked, -1, 0)
+            else:
+                for r, i in enumerate(members):
+                    replicates[:, r, :] = (counts @ np.asarray(sums_list[i], np.float64)).T
+            values = np.asarray(statistic(np.moveaxis(replicates, 0, -1)), np.float64)  # [R, B]
+            finite = np.isfinite(values)
+            whole = finite.all(axis=1)
+            if whole.any():
+                bounds = np.quantile(values[whole], [tail, 1 - tail], axis=1)
+                index = np.asarray(members)[whole]
+                low[index], high[index] = bounds[0], bounds[1]
+            for r in np.flatnonzero(~whole):
+                kept = values[r][finite[r]]
+                if len(kept):
+                    low[members[r]], high[members[r]] = np.quantile(kept, [tail, 1 - tail])
+    return low, high

@@ -1,0 +1,388 @@
+"""The ``tokens`` explainer and the ``tokens`` judge over a whole layer at once, as numpy array operations.
+
+The per-side path (:class:`~kvmem.autointerp.explainers.tokens.TokensExplainer`, the scorers'
+``build`` / ``evaluate`` and :class:`~kvmem.autointerp.judges.TokensJudge`) loops over examples and
+tokens in Python. Here the same computations run on :class:`~kvmem.autointerp.layertable.LayerExamples`:
+
+- every token of every context gets, for each rule kind, the id of the key that kind reads there
+  (:class:`KeyTables`: the normalised token, the previous one, the last two or three), so applying
+  a rule is a membership test of (rule, key id) pairs, for all queries at once;
+- the explainer's counts ``pos_k`` / ``neg_k`` are one ``np.unique`` over (side, key) pairs, and
+  its ranking one ``np.lexsort`` by (side, -gain, -pos_k, key text);
+- the scorers' tasks pick and order the held-out examples with sorts over all sides, and their
+  bootstrap intervals run for all tasks of one size at once
+  (:func:`kvmem.autointerp.scorers.statistics.bootstrap_many`).
+
+The results equal the per-side path's exactly (a test compares both on real atlases): the same
+examples in the same order, the same floating-point operations in the same order where order
+matters (sums of gains, per-example moment sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmem.autointerp.explanation import Explanation
+from kvmem.autointerp.layertable import BAND_CODE
+from kvmem.autointerp.rules import RULE_KINDS, Rule
+from kvmem.autointerp.scorers.base import PER_BAND
+from kvmem.autointerp.scorers.simulation import MAX_RANDOM, MAX_TOP
+from kvmem.autointerp.scorers.statistics import (
+    N_BOOT,
+    balanced_accuracy_from,
+    bootstrap_many,
+    pearson_from,
+)
+from kvmem.autointerp.splits import splitmix64
+from kvmem.errors import KvmemError
+
+__all__ = ["KeyTables", "explain_layer", "score_layer", "ScoredRows", "FAST_SCORERS"]
+
+KINDS = tuple(RULE_KINDS)
+FAST_SCORERS = ("detection", "fuzzing", "simulation")
+
+
+@dataclass(frozen=True, eq=False)
+class KeyTables:
+    """keys [kinds, C, W]: dense id of the key each rule kind reads at each context token (-1: none);
+    parts [D, 3] the normalised token ids of each key (-1 padded); kind [D]; order [D]: rank of the key's
+    ``str()`` (the explainer's last tie-break); lookup: per kind, tuple of token ids -> dense id."""
+
+    keys: np.ndarray
+    parts: np.ndarray
+    kind: np.ndarray
+    order: np.ndarray
+    lookup: list
+    vocab: list
+    vocab_index: dict
+
+    @classmethod
+    def build(cls, contexts) -> KeyTables:
+        norm = contexts.norm  # [C, W]
+        n_vocab = max(len(contexts.vocab), 1)
+        inside = norm >= 0
+        shifted = [norm]
+        for back in (1, 2):
+            s = np.full_like(norm, -1)
+            s[:, back:] = norm[:, :-back]
+            shifted.append(s)
+        width = {kind: RULE_KINDS[kind][0] for kind in KINDS}
+        raw_keys, parts_of = [], []
+        for kind in KINDS:
+            if kind == "current_token":
+                cols = [shifted[0]]
+            elif kind == "previous_token":
+                cols = [shifted[1]]
+            else:
+                cols = [shifted[b] for b in range(width[kind] - 1, -1, -1)]  # oldest token first
+            valid = inside & np.all([c >= 0 for c in cols], axis=0)
+            packed = np.zeros_like(norm)
+            for c in cols:
+                packed = packed * n_vocab + np.maximum(c, 0)
+            raw_keys.append(np.where(valid, packed, -1))
+            parts_of.append(cols)
+        keys = np.full((len(KINDS),) + norm.shape, -1, np.int64)
+        parts, kinds, lookup, offset = [], [], [], 0
+        for k in range(len(KINDS)):
+            valid = raw_keys[k] >= 0
+            distinct, inverse = np.unique(raw_keys[k][valid], return_inverse=True)
+            keys[k][valid] = inverse + offset
+            digits = []
+            rest = distinct.copy()
+            for _ in range(len(parts_of[k])):
+                digits.append(rest % n_vocab)
+                rest //= n_vocab
+            digits = np.stack(digits[::-1], axis=1) if len(digits) else np.zeros((0, 0), np.int64)
+            padded = np.full((len(distinct), 3), -1, np.int64)
+            padded[:, :digits.shape[1]] = digits
+            parts.append(padded)
+            kinds.append(np.full(len(distinct), k, np.int64))
+            lookup.append({tuple(row.tolist()): offset + i for i, row in enumerate(digits)})
+            offset += len(distinct)
+        parts, kinds = np.concatenate(parts), np.concatenate(kinds)
+        vocab = contexts.vocab
+        text = [vocab[p[0]] if k < 2 else str(tuple(vocab[i] for i in p if i >= 0))
+                for p, k in zip(parts.tolist(), kinds.tolist())]
+        order = np.empty(len(text), np.int64)
+        order[sorted(range(len(text)), key=text.__getitem__)] = np.arange(len(text))
+        return cls(keys=keys, parts=parts, kind=kinds, order=order, lookup=lookup, vocab=vocab,
+                   vocab_index={v: i for i, v in enumerate(vocab)})
+
+    def key_tokens(self, key: int):
+        """The rule token of a dense key: a string, or a tuple of strings for n-grams."""
+        k = int(self.kind[key])
+        items = [self.vocab[i] for i in self.parts[key].tolist() if i >= 0]
+        return items[0] if k < 2 else tuple(items)
+
+    def rule_keys(self, rule: Rule) -> tuple[int, np.ndarray]:
+        """(kind index, dense key ids) of a rule; keys that occur in no context are dropped (they never fire)."""
+        k = KINDS.index(rule.kind)
+        out = []
+        for token in rule.tokens:
+            items = (token,) if isinstance(token, str) else tuple(token)
+            ids = tuple(self.vocab_index.get(t, -1) for t in items)
+            if -1 not in ids and len(ids) == RULE_KINDS[rule.kind][0]:
+                dense = self.lookup[k].get(ids)
+                if dense is not None:
+                    out.append(dense)
+        return k, np.asarray(sorted(set(out)), np.int64)
+
+
+def _segment_rank(groups: np.ndarray) -> np.ndarray:
+    """[n] 0, 1, 2, ... within each run of equal values of sorted ``groups``."""
+    if not len(groups):
+        return np.zeros(0, np.int64)
+    starts = np.r_[True, groups[1:] != groups[:-1]]
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(groups)), 0))
+    return np.arange(len(groups)) - first
+
+
+def explain_layer(table, keys: KeyTables, *, max_tokens: int = 6, min_support: int = 2, writes: int = 5,
+                  name: str = "tokens") -> list[Explanation]:
+    """The ``tokens`` explanation of every side of ``table`` (equal to ``TokensExplainer.explain_side``)."""
+    n_sides = len(table.side)
+    seen = ~table.held
+    owner, ctx, index = table.owner[seen], table.ctx[seen], table.index[seen]
+    active = table.active[seen]
+    n_active = np.bincount(owner[active], minlength=n_sides)
+    n_inactive = np.bincount(owner[~active], minlength=n_sides)
+    n_pos, n_neg = np.maximum(n_active, 1).astype(np.float64), np.maximum(n_inactive, 1).astype(np.float64)
+    space = max(len(keys.kind), 1)
+    best_score = np.full(n_sides, np.nan)
+    best_kind = np.zeros(n_sides, np.int64)
+    best_keys: list = [np.zeros(0, np.int64)] * n_sides
+    for k in range(len(KINDS)):
+        key = keys.keys[k][ctx, index]
+        has = key >= 0
+        pairs_pos, pos = np.unique(owner[has & active] * space + key[has & active], return_counts=True)
+        pairs_neg, neg_counts = np.unique(owner[has & ~active] * space + key[has & ~active], return_counts=True)
+        at = np.searchsorted(pairs_neg, pairs_pos)
+        at_ok = np.minimum(at, max(len(pairs_neg) - 1, 0))
+        found = (at < len(pairs_neg)) & (pairs_neg[at_ok] == pairs_pos) if len(pairs_neg) else np.zeros(len(at), bool)
+        neg = np.where(found, neg_counts[at_ok] if len(pairs_neg) else 0, 0)
+        side, dense = pairs_pos // space, pairs_pos % space
+        gain = pos / n_pos[side] - neg / n_neg[side]
+        good = gain > 0
+        side, dense, gain, pos = side[good], dense[good], gain[good], pos[good]
+        order = np.lexsort((keys.order[dense], -pos, -gain, side))
+        side, dense, gain, pos = side[order], dense[order], gain[order], pos[order]
+        supported = pos >= min_support
+        # rank among the supported keys of the side; the side's first key when none is supported
+        rank = np.full(len(side), -1, np.int64)
+        rank[supported] = _segment_rank(side[supported])
+        chosen = supported & (rank < max_tokens)
+        has_supported = np.bincount(side[supported], minlength=n_sides) > 0
+        first = np.r_[True, side[1:] != side[:-1]] if len(side) else np.zeros(0, bool)
+        chosen |= first & ~has_supported[side]
+        c_side, c_gain, c_dense = side[chosen], gain[chosen], dense[chosen]
+        c_rank = _segment_rank(c_side)
+        total = np.zeros(n_sides)
+        for j in range(int(c_rank.max(initial=-1)) + 1):  # sequential sums, as Python's sum of the chosen gains
+            pick = c_rank == j
+            total[c_side[pick]] += c_gain[pick]
+        score = 0.5 + total / 2
+        cuts = np.searchsorted(c_side, np.arange(n_sides + 1))
+        better = score > best_score + 1e-12 if k else np.ones(n_sides, bool)  # ties: the simpler kind
+        for s in np.flatnonzero(better):
+            best_keys[s] = c_dense[cuts[s]:cuts[s + 1]]
+        best_score = np.where(better, score, best_score)
+        best_kind = np.where(better, k, best_kind)
+    out = []
+    seen_start = np.searchsorted(owner, np.arange(n_sides + 1))
+    seen_codes = table.code[seen]
+    for s in range(n_sides):
+        if n_active[s] == 0:
+            rule, score = Rule(kind="current_token", tokens=()), float("nan")
+        else:
+            rule = Rule(kind=KINDS[best_kind[s]], tokens=tuple(keys.key_tokens(d) for d in best_keys[s].tolist()))
+            score = float(best_score[s])
+        text = rule.text[0].upper() + rule.text[1:]
+        if table.writes[s] and writes:
+            text += "; it writes " + ", ".join(repr(t) for t in table.writes[s][:writes])
+        out.append(Explanation(layer=table.layer, neuron=int(table.neuron[s]), side=table.side[s], text=text,
+                               rule=rule.to_json(), explainer=name,
+                               explain_codes=tuple(seen_codes[seen_start[s]:seen_start[s + 1]].tolist()),
+                               explain_score=score))
+    return out
+
+
+# ---- scoring ----
+
+@dataclass(frozen=True, eq=False)
+class _Tasks:
+    """One scorer's tasks of all sides: queries [Q] (example, token position, truth), grouped by side."""
+
+    example: np.ndarray   # [Q] example row of each query (simulation: each token's example)
+    position: np.ndarray  # [Q] token position the judge is asked about
+    truth: np.ndarray     # [Q] bool (detection, fuzzing) or float side activations (simulation)
+    group: np.ndarray     # [Q] the example's index within its side's task (what the bootstrap resamples)
+    start: np.ndarray     # [S + 1] queries of side s: start[s]:start[s + 1]
+    codes: list           # [S] tuple of the task's example codes
+    n: np.ndarray         # [S] examples in the task
+
+
+def _held_sorted(table, mask) -> np.ndarray:
+    rows = np.flatnonzero(table.held & mask)
+    return rows[np.lexsort((table.code[rows], table.owner[rows]))]
+
+
+def _selected_active(table, per_band: int) -> np.ndarray:
+    """Rows of :func:`~kvmem.autointerp.scorers.base.select_active` for every side, in its order."""
+    rows = _held_sorted(table, np.ones(len(table.code), bool))
+    position = np.arange(len(rows))
+    rows, position = rows[table.active[rows]], position[table.active[rows]]
+    owner, band = table.owner[rows], table.band[rows].astype(np.int64)
+    by_band = np.lexsort((position, band, owner))
+    rank = np.empty(len(rows), np.int64)
+    rank[by_band] = _segment_rank(owner[by_band] * 16 + band[by_band])
+    first_seen = np.empty(len(rows), np.int64)  # where the band first appears in the side's code order
+    first_seen[by_band] = position[by_band][np.arange(len(rows)) - rank[by_band]]
+    keep = rank < per_band
+    rows, owner, first_seen, position = rows[keep], owner[keep], first_seen[keep], position[keep]
+    return rows[np.lexsort((position, first_seen, owner))]
+
+
+def _tasks(table, scorer: str, *, per_band: int, seed: int, max_quiet: int | None) -> _Tasks:
+    n_sides = len(table.side)
+    length = table.contexts.length[table.ctx]
+    if scorer == "detection":
+        active = _selected_active(table, per_band)
+        quiet = _held_sorted(table, (table.band == BAND_CODE["random"]) & ~table.active)
+        if max_quiet is not None:
+            quiet = quiet[_segment_rank(table.owner[quiet]) < max_quiet]
+        rows = np.concatenate([active, quiet])
+        rows = rows[np.argsort(table.owner[rows], kind="stable")]
+        example, position, truth = rows, table.index[rows], table.active[rows]
+        repeats = 1
+    elif scorer == "fuzzing":
+        rows = _selected_active(table, per_band)
+        width = table.contexts.width
+        j = np.arange(width)[None, :]
+        kept = table.contexts.raw[table.ctx[rows], table.index[rows]][:, None]
+        raw = table.contexts.raw[table.ctx[rows]]
+        stored = table.has_acts[rows][:, None]
+        quiet = np.where(stored, table.side_acts(rows) < table.threshold[table.owner[rows]][:, None], raw != kept)
+        others = quiet & (j < length[rows][:, None]) & (j != table.index[rows][:, None])
+        count = others.sum(axis=1)
+        rows, others, count = rows[count > 0], others[count > 0], count[count > 0]
+        mixed = splitmix64(table.code[rows].astype(np.uint64) ^ splitmix64(np.uint64(seed + 1)))
+        pick = (mixed % count.astype(np.uint64)).astype(np.int64)
+        wrong = np.argmax(np.cumsum(others, axis=1) > pick[:, None], axis=1)
+        example = np.repeat(rows, 2)
+        position = np.stack([table.index[rows], wrong], axis=1).ravel()
+        truth = np.tile([True, False], len(rows))
+        repeats = 2
+    else:
+        rows = _held_sorted(table, table.has_acts)
+        owner, band = table.owner[rows], table.band[rows]
+        top, rand = band == BAND_CODE["top"], band == BAND_CODE["random"]
+        rank = np.zeros(len(rows), np.int64)
+        for mask in (top, rand):
+            rank[mask] = _segment_rank(owner[mask])
+        most_random = MAX_RANDOM if max_quiet is None else min(max_quiet, MAX_RANDOM)
+        keep = (top & (rank < min(per_band, MAX_TOP))) | (rand & (rank < most_random))
+        rows = rows[keep]
+        rows = rows[np.lexsort((table.code[rows], ~top[keep], table.owner[rows]))]
+        lengths = length[rows]
+        example = np.repeat(rows, lengths)
+        position = np.arange(len(example)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        truth = table.side_acts(example, position)
+        repeats = lengths
+    start = np.searchsorted(table.owner[example], np.arange(n_sides + 1))
+    ex_start = np.searchsorted(table.owner[rows], np.arange(n_sides + 1))
+    per_example = np.arange(len(rows)) - ex_start[table.owner[rows]]  # the example's index in its side's task
+    group = np.repeat(per_example, repeats)
+    codes_all = table.code[rows].tolist()
+    codes = [tuple(codes_all[ex_start[s]:ex_start[s + 1]]) for s in range(n_sides)]
+    return _Tasks(example=example, position=position, truth=truth, group=group, start=start, codes=codes,
+                  n=np.diff(ex_start))
+
+
+@dataclass(frozen=True, eq=False)
+class ScoredRows:
+    """One scorer's results for R rows: score, low, high [R]; n [R]; codes [R] tuples; baseline, baseline_low,
+    baseline_high [R] (NaN where no baseline)."""
+
+    score: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    n: np.ndarray
+    codes: list
+    baseline: np.ndarray
+    baseline_low: np.ndarray
+    baseline_high: np.ndarray
+
+
+def _fires(table, keys: KeyTables, tasks: _Tasks, evaluations, rules) -> np.ndarray:
+    """Whether the rule fires at each query, for each (side, rule) evaluation in turn (its side's queries)."""
+    pair_side = np.asarray([s for s, _ in evaluations], np.int64)
+    pair_rule = np.asarray([r for _, r in evaluations], np.int64)
+    lengths = tasks.start[pair_side + 1] - tasks.start[pair_side]
+    which = np.repeat(np.arange(len(evaluations)), lengths)
+    query = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths) + \
+        np.repeat(tasks.start[pair_side], lengths)
+    kind = np.asarray([rules[r][0] for r in range(len(rules))], np.int64)[pair_rule][which]
+    ex = tasks.example[query]
+    key = keys.keys[kind, table.ctx[ex], tasks.position[query]]
+    space = max(len(keys.kind), 1)
+    members = np.concatenate([r * space + rules[r][1] for r in range(len(rules))]) if rules else np.zeros(0, np.int64)
+    members.sort()
+    wanted = pair_rule[which] * space + key
+    at = np.minimum(np.searchsorted(members, wanted), max(len(members) - 1, 0))
+    return (key >= 0) & (members[at] == wanted) if len(members) else np.zeros(len(wanted), bool)
+
+
+def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_boot: int):
+    """[len(evaluations)] (score, low, high) of each (side, rule) evaluation."""
+    statistic = pearson_from if scorer == "simulation" else balanced_accuracy_from
+    sides = np.asarray([s for s, _ in evaluations], np.int64)
+    lengths = tasks.start[sides + 1] - tasks.start[sides]
+    query = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths) + \
+        np.repeat(tasks.start[sides], lengths)
+    sizes = tasks.n[sides]
+    offset = np.cumsum(sizes) - sizes
+    # one bincount per column over all evaluations: each group's additions in the order of its own queries
+    group = tasks.group[query] + np.repeat(offset, lengths)
+    fires = fired
+    if scorer == "simulation":
+        x, y = np.where(fires, 10.0, 0.0), np.asarray(tasks.truth[query], np.float64)
+        columns = [np.ones_like(x), x, y, x * x, y * y, x * y]
+    else:
+        t = np.asarray(tasks.truth[query], bool)
+        columns = [fires & t, ~fires & t, ~fires & ~t, fires & ~t]
+    total = int(sizes.sum())
+    sums = np.stack([np.bincount(group, weights=np.asarray(c, np.float64), minlength=total) for c in columns], axis=1)
+    sums_list = [sums[a:a + n] for a, n in zip(offset.tolist(), sizes.tolist())]
+    totals = np.stack([part.sum(axis=0) for part in sums_list]) if sums_list else np.zeros((0, len(columns)))
+    scores = np.where(sizes > 0, np.asarray(statistic(totals), np.float64), np.nan) if len(totals) else np.zeros(0)
+    low, high = bootstrap_many(statistic, sums_list, n_boot=n_boot, seed=seed, exact_sums=scorer != "simulation")
+    return scores, low, high
+
+
+def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rules_of_rows: list,
+                borrowed_rules: list, *, per_band: int = PER_BAND, seed: int = 0, n_boot: int = N_BOOT,
+                max_quiet: int | None = None) -> ScoredRows:
+    """Score R rows of one layer with the tokens judge. ``rows_side`` [R]: each row's side in ``table``;
+    ``rules_of_rows`` [R]: its :class:`Rule`; ``borrowed_rules`` [R]: the rule its derangement baseline applies
+    (None: no baseline). Equal to the scorer module's ``build`` + ``TokensJudge`` + ``evaluate`` per row."""
+    if scorer not in FAST_SCORERS:
+        raise KvmemError(f"unknown scorer {scorer!r}; choose from {', '.join(FAST_SCORERS)}")
+    tasks = _tasks(table, scorer, per_band=per_band, seed=seed, max_quiet=max_quiet)
+    compiled, index = [], {}
+    for rule in list(rules_of_rows) + [r for r in borrowed_rules if r is not None]:
+        if id(rule) not in index:
+            index[id(rule)] = len(compiled)
+            compiled.append(keys.rule_keys(rule))
+    evaluations = [(int(s), index[id(r)]) for s, r in zip(rows_side, rules_of_rows)]
+    with_base = [i for i, r in enumerate(borrowed_rules) if r is not None]
+    evaluations += [(int(rows_side[i]), index[id(borrowed_rules[i])]) for i in with_base]
+    fired = _fires(table, keys, tasks, evaluations, compiled)
+    score, low, high = _evaluate(scorer, tasks, evaluations, fired, seed=seed, n_boot=n_boot)
+    n_rows = len(rows_side)
+    base, base_low, base_high = (np.full(n_rows, np.nan) for _ in range(3))
+    base[with_base], base_low[with_base], base_high[with_base] = score[n_rows:], low[n_rows:], high[n_rows:]
+    return ScoredRows(score=score[:n_rows], low=low[:n_rows], high=high[:n_rows], n=tasks.n[rows_side],
+                      codes=[tasks.codes[s] for s in rows_side], baseline=base, baseline_low=base_low,
+                      baseline_high=base_high)
