@@ -40,7 +40,9 @@ def same_tables(a: Path, b: Path) -> list[str]:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="the venv has no torchrun script")
-def test_readme_torchrun_example_equals_one_process(gpt2_dir, tmp_path):
+def test_readme_torchrun_example_equals_one_process(llama_dir, tmp_path):
+    """On the tiny gated model, so the taxonomy's sums (gate/up quadrants, each trigger's gate and up,
+    Σ m·position, unigrams) are byte-identical across ranks too."""
     words = readme_torchrun_command()
     env_words = [w for w in words if re.fullmatch(r"[A-Z_]+=\S*", w)]
     command = words[len(env_words):]
@@ -50,7 +52,7 @@ def test_readme_torchrun_example_equals_one_process(gpt2_dir, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"Document {i}: " + "the cat sat on mat " * (1 + i % 5)})
                                 for i in range(200)))
-    given = {"--model": str(gpt2_dir), "--corpus": str(corpus)}
+    given = {"--model": str(llama_dir), "--corpus": str(corpus)}
     command = [str(TORCHRUN)] + [given.get(before, word) for before, word in zip(["", *command], command)][1:]
     out = command.index("--out") + 1
     env = {**os.environ, **dict(w.split("=", 1) for w in env_words)}
@@ -64,6 +66,7 @@ def test_readme_torchrun_example_equals_one_process(gpt2_dir, tmp_path):
     three = kvmem.open(tmp_path / "three")
     assert three.manifest.timing["world_size"] == 3 and kvmem.open(tmp_path / "one").manifest.timing["world_size"] == 1
     assert three.manifest.tokens == kvmem.open(tmp_path / "one").manifest.tokens > 0
+    assert three.neurons.quadrant_pp.notna().all() and three.table("triggers").gate_pre.notna().any()
     assert not list(tmp_path.glob("three*.checkpoint"))
 
 

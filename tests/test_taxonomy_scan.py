@@ -1,7 +1,7 @@
 """The taxonomy's scan-time sums against brute force: Σ m·p, Σp, Σp², the gate/up sign quadrants, each
 kept trigger's gate and up, the unigram counts and the columns built from them, on both backends; their
-merge across shards (byte-identical tables) and across torchrun ranks; the checkpoint version and the off
-switch.
+merge across shards (byte-identical tables; across torchrun ranks: tests/test_distributed.py); the
+checkpoint version and the off switch.
 
 Oracle: plain HF forwards window by window under the plan's rule, with torch hooks on the HF modules
 themselves (the input of down_proj, the outputs of gate_proj and up_proj), statistics in numpy float64.
@@ -10,9 +10,6 @@ themselves (the input of down_proj, the outputs of gate_proj and up_proj), stati
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -171,27 +168,6 @@ def test_two_shards_merged_equal_one_scan_byte_identical(llama_model, whole_atla
     one, _ = build_taxonomy(llama_model, atlas=whole_atlas)
     two, _ = build_taxonomy(llama_model, atlas=merged)
     pd.testing.assert_frame_equal(one, two, check_exact=True)
-
-
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-
-
-def test_torchrun_ranks_give_the_single_process_tables(llama_dir, tmp_path):
-    """2 gloo ranks against one process, on the gated model (quadrants and trigger gate/up included)."""
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 2))
-    scan = ["-m", "kvmem", "scan", "--model", str(llama_dir), "--corpus", str(corpus), "--window", "8",
-            "--top-k", "4", "--block-documents", "2", "--conventions", "raw", "--no-key-projections", "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, *scan, "--out", str(tmp_path / "one")], env=env, check=True, timeout=600,
-                   capture_output=True)
-    subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *scan, "--out", str(tmp_path / "two")],
-                   env=env, check=True, timeout=600, capture_output=True)
-    for table in TABLES:
-        assert (tmp_path / "one" / f"{table}.parquet").read_bytes() == \
-            (tmp_path / "two" / f"{table}.parquet").read_bytes(), table
-    neurons = kvmem.open(tmp_path / "two").neurons
-    assert neurons.quadrant_pp.notna().all() and neurons.position_act_sum.notna().all()
 
 
 def test_off_switch_and_older_checkpoints(llama_model, tmp_path):
