@@ -120,8 +120,9 @@ def _hf_run(atlas, *, neurons: int, judged: int, per_band: int, quiet: int, sim_
     start = time.perf_counter()
     kvmem.explain(atlas, neurons=chosen, explainer="hf:smollm2-135m", sides=["positive"], options=options)
     timing["hf_explain_s"] = time.perf_counter() - start
-    # judged: from the first and the last layer, several each, so that each has a derangement baseline
-    judged_pairs = [p for p in chosen if p[0] == layers[0]][:judged // 2] + \
+    # judged: all of them, or (fewer) from the first and the last layer, several each, so that each has a
+    # derangement baseline in its layer
+    judged_pairs = chosen if judged >= len(chosen) else [p for p in chosen if p[0] == layers[0]][:judged // 2] + \
         [p for p in chosen if p[0] == layers[-1]][:judged - judged // 2]
     result = {"neurons": chosen, "judged": judged_pairs, "per_band": per_band, "quiet": quiet,
               "sim_random": sim_random}
@@ -149,8 +150,9 @@ def _report_hf(atlas, args, results: dict, timing: dict) -> None:
     judged = args.hf_judged or args.hf
     results["hf"] = _hf_run(atlas, neurons=args.hf, judged=judged, per_band=args.hf_per_band,
                             quiet=args.hf_quiet, sim_random=args.hf_sim_random, timing=timing)
-    print(f"\nhf:smollm2-135m explainer, positive side of {args.hf} neurons; the same model as judge on {judged} "
-          f"of them, half from the first and half from the last layer (detection: {args.hf_per_band} activating examples per band, at most {args.hf_quiet} "
+    where = "every one" if judged >= args.hf else f"{judged} of them, half from the first and half from the last layer"
+    print(f"\nhf:smollm2-135m explainer, positive side of {args.hf} neurons; the same model as judge on {where} "
+          f"(detection: {args.hf_per_band} activating examples per band, at most {args.hf_quiet} "
           f"non-activating; simulation: 1 top and {args.hf_sim_random} random records):")
     for t in results["hf"]["texts"]:
         print(f"  L{t['layer']}/{t['neuron']}: {t['text'][:150]!r}")
