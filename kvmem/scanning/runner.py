@@ -228,11 +228,12 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
     started = time.perf_counter() - state.seconds
     last_checkpoint = state.tokens
 
-    def save_if_due(position) -> None:  # at a block end: the state is whole here
+    def save_if_due(position_at_end) -> None:  # at a block end: the state is whole here
+        """``position_at_end()``: the stream position at this block end (built only when a save is due)."""
         nonlocal last_checkpoint
         if checkpoint is not None and state.tokens - last_checkpoint >= config.checkpoint_every:
             state.seconds = time.perf_counter() - started
-            live, state.position = state.position, position() if callable(position) else position
+            live, state.position = state.position, position_at_end()
             try:
                 save_state(checkpoint[0], state, checkpoint[1])
             finally:
@@ -244,7 +245,7 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
                                      on_block_end=lambda end: save_if_due(end.position))
     else:
         batches = iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world,
-                                  on_block_end=lambda block: save_if_due(state.position))
+                                  on_block_end=lambda block: save_if_due(lambda: state.position))
     for batch in batches:
         _run_batch(model, batch, plan, config, state, backend)
         bar.update(batch.tokens)
