@@ -18,6 +18,7 @@ Shapes use one vocabulary: ``layer``, ``d_model``, ``d_ff``, ``vocab``, ``batch`
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -472,9 +473,35 @@ class Model:
     @cached_property
     def vocab_strings(self) -> list[str]:
         """Decoded text of every token id [vocab] (ids past the tokenizer's vocabulary show as '<id N>')."""
-        n_tok = len(self.tokenizer)
-        out = self.tokenizer.batch_decode([[i] for i in range(min(n_tok, self.vocab_size))])
-        return out + [f"<id {i}>" for i in range(len(out), self.vocab_size)]
+        return self.token_texts(range(self.vocab_size))
+
+    def token_texts(self, token_ids) -> list[str]:
+        """Decoded text of each id in ``token_ids`` (as :attr:`vocab_strings` has it), decoding each distinct
+        id once: a scan's contexts need a few thousand of a vocabulary's tens of thousands."""
+        if "vocab_strings" in self.__dict__:  # already decoded whole
+            vocab = self.vocab_strings
+            return [vocab[i] for i in token_ids]
+        ids = [int(i) for i in token_ids]
+        distinct = sorted(set(ids))
+        known = [i for i in distinct if i < len(self.tokenizer)]
+        text = dict(zip(known, self.tokenizer.batch_decode([[i] for i in known])))
+        return [text[i] if i in text else f"<id {i}>" for i in ids]
+
+    @cached_property
+    def vocab_digest(self) -> str:
+        """sha256 naming :attr:`vocab_strings` without decoding them: a fast tokenizer's whole definition
+        (vocabulary, merges, normaliser, decoder) with the settings decode reads; otherwise the strings."""
+        import transformers
+
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            text = "\0".join(self.vocab_strings)
+        else:
+            text = json.dumps({"tokenizer": backend.to_str(), "class": type(self.tokenizer).__name__,
+                               "clean_up": getattr(self.tokenizer, "clean_up_tokenization_spaces", None),
+                               "size": len(self.tokenizer), "vocab_size": self.vocab_size,
+                               "transformers": transformers.__version__}, sort_keys=True)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     # ---- description ----
     def anatomy(self) -> pd.DataFrame:

@@ -28,10 +28,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
+import numpy as np
+
 from kvmem.errors import KvmemError
 from kvmem.tokenization import CHUNK, encoder, token_pieces
 
-__all__ = ["BATCH_SIZE_HELP", "parse_batch_size", "TokenPlan", "Batch", "WindowText", "pack", "unpack", "window_key", "iterate_batches", "DEFAULT_WINDOW",
+__all__ = ["BATCH_SIZE_HELP", "parse_batch_size", "TokenPlan", "Batch", "WindowText", "pack", "unpack", "distinct_codes", "window_key", "iterate_batches", "DEFAULT_WINDOW",
            "DEFAULT_BLOCK_DOCUMENTS", "document_digest", "RULE"]
 
 DEFAULT_WINDOW = 256
@@ -104,6 +106,18 @@ def _check_packable(doc, pos) -> None:
 def unpack(code):
     """code -> (doc, pos)."""
     return code >> 32, code & 0xFFFFFFFF
+
+
+def distinct_codes(arrays) -> np.ndarray:
+    """The sorted distinct codes >= 0 (empty entries are -1) of int64 arrays of any shape.
+
+    Hash-based (pandas), then a sort of the few distinct ones: millions of kept entries point to
+    thousands of positions, and sorting them all would cost ten times more."""
+    import pandas as pd
+
+    parts = [pd.unique(np.asarray(a, np.int64).reshape(-1)) for a in arrays]  # small: no big concatenation
+    distinct = pd.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
+    return np.sort(distinct[distinct >= 0])
 
 
 @dataclass(frozen=True, kw_only=True)

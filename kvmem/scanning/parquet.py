@@ -25,10 +25,21 @@ def _dictionary_columns(schema: pa.Schema) -> list[str]:
     return [field.name for field in schema if worth(field.type)]
 
 
+def _compression(schema: pa.Schema) -> dict[str, str]:
+    """zstd for every column but floats (and lists of floats): coefficients are nearly incompressible
+    (zstd saves about 12% of their bytes here at 1.5 times the writing time)."""
+    def floats(kind: pa.DataType) -> bool:
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            return floats(kind.value_type)
+        return pa.types.is_floating(kind)
+
+    return {field.name: "none" if floats(field.type) else "zstd" for field in schema}
+
+
 def write_parquet(path: Path, table: pa.Table) -> None:
     """Row groups never span a layer and hold at most ROW_GROUP_NEURONS neurons (tables without
     layer and neuron columns, such as contexts, in row groups of 64k rows)."""
-    options = dict(compression="zstd", use_dictionary=_dictionary_columns(table.schema) or False)
+    options = dict(compression=_compression(table.schema), use_dictionary=_dictionary_columns(table.schema) or False)
     if "layer" not in table.column_names:
         pq.write_table(table, path, row_group_size=1 << 16, **options)
         return

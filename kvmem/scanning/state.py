@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from kvmem.plan import StreamPosition, pack
+from kvmem.plan import StreamPosition, distinct_codes, pack, unpack
 from kvmem.scanning.histogram import HIST_BINS
 from kvmem.scanning.rules import EMPTY, KEY_BITS, keys_or_none, order_by_key, order_by_value
 from kvmem.scanning.texts import TextStore
@@ -72,6 +73,10 @@ class Side:
     def context(self) -> Tensor:
         """[k, F, C] (materialised from the pool)."""
         return self._pool[self.slots]
+
+    def neuron_context(self) -> Tensor:
+        """[F, k, C]: the context rows neuron by neuron (one gather from the pool, no transpose copy)."""
+        return self._pool[self.slots.T]
 
     @property
     def width(self) -> int:
@@ -402,10 +407,14 @@ class ScanState:
                          max(self.seconds, other.seconds),
                          None if self.unigrams is None else self.unigrams + other.unigrams.to(self.unigrams.device))
 
+    def kept_positions(self, *, open_documents: bool = False) -> np.ndarray:
+        """Sorted distinct codes of every kept trigger and sample (and, with ``open_documents``, of the
+        per-document bests still open): the positions whose text the atlas needs."""
+        parts = [part for s in self.layer_states.values()
+                 for part in (*s.sides().values(), *((s.open_top, s.open_bottom) if open_documents else ()),
+                              s.random, s.bins) if part is not None]
+        return distinct_codes([part.codes.cpu().numpy() for part in parts])
+
     def referenced_windows(self, window: int) -> set[int]:
-        codes = [part.codes.reshape(-1) for s in self.layer_states.values()
-                 for part in (*s.sides().values(), s.open_top, s.open_bottom, s.random, s.bins) if part is not None]
-        codes = torch.unique(torch.cat(codes).cpu())
-        codes = codes[codes >= 0]
-        docs, pos = codes >> 32, codes & 0xFFFFFFFF
+        docs, pos = unpack(self.kept_positions(open_documents=True))
         return set(pack(docs, pos - pos % window).tolist())

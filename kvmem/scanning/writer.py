@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,7 @@ from kvmem.atomic import staged_directory
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.manifest import Manifest
 from kvmem.models import Model
-from kvmem.plan import TokenPlan, pack, unpack
+from kvmem.plan import TokenPlan, unpack
 from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
@@ -25,7 +25,7 @@ from kvmem.scanning.state import QUADRANTS, LayerState, ScanState
 from kvmem.scanning.texts import trigger_texts
 from kvmem.schema import FORMAT_VERSION, TRIGGER_KINDS, conform
 
-__all__ = ["write_atlas", "write_tables", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
+__all__ = ["write_atlas", "TableWriter", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
            "samples_table", "contexts_table", "unigrams_table", "STATE_DIR"]
 
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
@@ -35,65 +35,88 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                 overwrite: bool, phases, backend: str, world: int = 1, keep_state: bool = False,
                 run: dict | None = None) -> None:
     """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last.
-    ``backend``: the name of the streaming backend that produced the state."""
+    ``backend``: the name of the streaming backend that produced the state.
+
+    Each table is handed to the writer as soon as it is built, so the parquet encoding of one overlaps
+    the building of the next (phase "texts": building, writing under way; "write": what is left)."""
     layers = state.layers
-    with phases.phase("texts", total=3) as bar:
-        triggers = triggers_table(state)
-        bar.update()
-        samples = samples_table(state)
-        bar.update()
-        codes = [pack(t.column("doc").to_numpy(), t.column("pos").to_numpy()) for t in (triggers, samples) if t is not None]
-        contexts = contexts_table(model, config, plan, state, np.unique(np.concatenate(codes)))
-        bar.update()
-    tables = {"neurons": neurons_table(model, layers, state.layer_states), "triggers": triggers, "contexts": contexts,
-              "histograms": histograms_table(layers, state.layer_states), "unigrams": unigrams_table(state),
-              **({"samples": samples} if samples is not None else {})}
-    with phases.phase("projections", total=len(layers)) as bar:
-        projections = cached_projection_files(model, layers, config, bar=bar)
+    with TableWriter(target, overwrite=overwrite) as out:
+        with phases.phase("texts", total=6) as bar:
+            for name, build in (("triggers", lambda: triggers_table(state)), ("samples", lambda: samples_table(state)),
+                                ("contexts", lambda: contexts_table(model, config, plan, state, state.kept_positions())),
+                                ("neurons", lambda: neurons_table(model, layers, state.layer_states)),
+                                ("histograms", lambda: histograms_table(layers, state.layer_states)),
+                                ("unigrams", lambda: unigrams_table(state))):
+                table = build()
+                if table is not None:  # no samples table when the scan kept none
+                    out.add(name, table)
+                bar.update()
+        with phases.phase("projections", total=len(layers)) as bar:
+            projections = cached_projection_files(model, layers, config, bar=bar)
 
-    def manifest() -> dict:
-        timing = {"phases": phases.so_far(), "total_seconds": phases.elapsed(),
-                  "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
-                  "world_size": world, "batches": state.batches, "shard": list(config.shard),
-                  "projections_cached": projections["cached"], **(run or {})}
-        return build_manifest(model, corpus, config, plan, state, timing, backend=backend)
+        def manifest() -> Manifest:
+            timing = {"phases": phases.so_far(), "total_seconds": phases.elapsed(),
+                      "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
+                      "world_size": world, "batches": state.batches, "shard": list(config.shard),
+                      "projections_cached": projections["cached"], **(run or {})}
+            return build_manifest(model, corpus, config, plan, state, timing, backend=backend)
 
-    with phases.phase("write", total=len(tables) + 2) as bar:
-        write_tables(target, tables, manifest, overwrite=overwrite, copy=projections["files"], bar=bar,
-                     state=state if keep_state else None)
-
-
-def write_tables(target: Path, tables: dict[str, pa.Table], manifest, *, overwrite: bool, copy: dict | None = None,
-                 bar=None, state=None) -> None:
-    """Write into a hidden sibling directory, then rename it into place: a crash leaves no half atlas.
-
-    ``manifest``: a :class:`~kvmem.manifest.Manifest`, or a function returning one (called last, so
-    it can time the writing);
-    ``copy``: table name -> an already written parquet file to link (or copy) in; ``state``: a scan state to
-    keep beside the tables (shard atlases, for ``kvmem merge``).
-    """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(target)
-    with staged_directory(target) as tmp:
-        def write(name: str) -> None:
-            write_parquet(tmp / f"{name}.parquet", conform(tables[name], name))
-
-        # parquet encoding and compression release the GIL: the tables are written side by side,
-        # the largest first (on 2 cores the triggers table alone then sets the time)
-        by_size = sorted(tables, key=lambda name: -tables[name].nbytes)
-        with ThreadPoolExecutor(max_workers=min(4, len(by_size)) or 1) as pool:
-            for done in as_completed([pool.submit(write, name) for name in by_size]):
-                done.result()
-                if bar is not None:
-                    bar.update()
-        for name, source in (copy or {}).items():
-            _link_or_copy(Path(source), tmp / f"{name}.parquet")
-        if state is not None:
-            save_state(tmp / STATE_DIR, state, {"shard": True}, tensor_file="state.safetensors")
-        if bar is not None:
+        with phases.phase("write", total=1) as bar:
+            for name, source in projections["files"].items():
+                out.link(name, source)
+            out.finish(manifest, state=state if keep_state else None)
             bar.update()
-        (manifest() if callable(manifest) else manifest).write(tmp / "manifest.json")
+
+
+class TableWriter:
+    """Writes an atlas into a hidden sibling directory, renamed into place when the block ends
+    without error: a crash leaves no half atlas (:func:`kvmem.atomic.staged_directory`).
+
+    ``add(name, table)`` starts writing a table at once, in one of two threads (parquet encoding and
+    compression release the GIL), so callers build the next table meanwhile; ``finish`` waits for them,
+    keeps the scan state of a shard atlas, and writes the manifest last. An existing ``target`` is
+    refused (FileExistsError) unless ``overwrite``.
+
+        with TableWriter(path, overwrite=False) as out:
+            out.add("neurons", table)
+            out.finish(manifest)
+    """
+
+    def __init__(self, target: str | os.PathLike, *, overwrite: bool):
+        self.target = Path(target)
+        if self.target.exists() and not overwrite:
+            raise FileExistsError(self.target)
+        self._futures: list = []
+
+    def __enter__(self) -> TableWriter:
+        self._stage = staged_directory(self.target)
+        self.directory = self._stage.__enter__()
+        self._pool = ThreadPoolExecutor(max_workers=2)
+        return self
+
+    def add(self, name: str, table: pa.Table) -> None:
+        """Write ``table`` as ``name.parquet`` (checked against :data:`kvmem.schema.COLUMNS`), in a thread."""
+        self._futures.append(self._pool.submit(write_parquet, self.directory / f"{name}.parquet", conform(table, name)))
+
+    def link(self, name: str, source: str | os.PathLike) -> None:
+        """Link (or copy) an already written parquet file in as ``name.parquet``."""
+        _link_or_copy(Path(source), self.directory / f"{name}.parquet")
+
+    def finish(self, manifest, *, state: ScanState | None = None) -> None:
+        """Wait for every table, keep ``state`` (shard atlases, for ``kvmem merge``), write the manifest.
+        ``manifest``: a :class:`~kvmem.manifest.Manifest`, or a function returning one (called last, so
+        it can time the writing)."""
+        for future in self._futures:
+            future.result()  # the first table that failed raises here
+        if state is not None:
+            save_state(self.directory / STATE_DIR, state, {"shard": True}, tensor_file="state.safetensors")
+        (manifest() if callable(manifest) else manifest).write(self.directory / "manifest.json")
+
+    def __exit__(self, kind, error, traceback) -> bool | None:
+        for future in self._futures:
+            future.cancel()
+        self._pool.shutdown(wait=True)  # no thread writes into the directory once it is renamed or removed
+        return self._stage.__exit__(kind, error, traceback)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -183,32 +206,35 @@ def histograms_table(layers: list[int], states: dict[int, LayerState]) -> pa.Tab
     })
 
 
-def _trigger_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str, np.ndarray]:
-    """Flatten kept triggers, sorted by (layer, neuron, kind, rank); empty entries dropped."""
-    parts: dict[str, list[np.ndarray]] = {}
-    for layer in layers:
-        sides = states[layer].sides()
-        k, d_ff = sides["top"].values.shape
-        values = np.stack([side.values.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)  # [F, kinds, k]
-        codes = np.stack([side.codes.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1)
-        context = np.stack([side.context.cpu().numpy() for side in sides.values()]).transpose(2, 0, 1, 3)
-        extras = states[layer].extras  # gate, up after the context coefficients (or none)
-        width = context.shape[-1] - extras
-        kind_names = np.broadcast_to(np.array([TRIGGER_KINDS.index(name) for name in sides], np.int64)[None, :, None],
-                                     values.shape)
-        ranks = np.broadcast_to(np.arange(k, dtype=np.int16)[None, None, :], values.shape)
-        neurons = np.broadcast_to(np.arange(d_ff, dtype=np.int32)[:, None, None], values.shape)
-        keep = (codes >= 0).reshape(-1)
-        for name, array in (("neuron", neurons), ("kind", kind_names), ("rank", ranks), ("activation", values),
-                            ("code", codes)):
-            parts.setdefault(name, []).append(array.reshape(-1)[keep])
-        rows = context.reshape(len(keep), context.shape[-1])[keep]
-        parts.setdefault("context", []).append(rows[:, :width])
-        nan = np.full(len(rows), np.nan, np.float32)
-        parts.setdefault("gate_pre", []).append(rows[:, width] if extras else nan)
-        parts.setdefault("up_pre", []).append(rows[:, width + 1] if extras else nan)
-        parts.setdefault("layer", []).append(np.full(int(keep.sum()), layer, np.int16))
-    return {name: np.concatenate(p) for name, p in parts.items()}
+def _trigger_layer(layer: int, state: LayerState) -> dict[str, np.ndarray]:
+    """One layer's kept triggers, sorted by (neuron, kind, rank); empty entries dropped. ``context``
+    [rows, C] float32 (NaN outside the window)."""
+    sides = state.sides()
+    k, d_ff = sides["top"].values.shape
+    shape = (d_ff, len(sides), k)  # [F, kinds, k]: the table's row order
+    values = np.stack([side.values.cpu().numpy().T for side in sides.values()], axis=1)
+    codes = np.stack([side.codes.cpu().numpy().T for side in sides.values()], axis=1)
+    keep = (codes >= 0).reshape(-1)
+    every = bool(keep.all())  # a scan of more than k positions keeps every entry: no masking copies
+    context = np.empty((*shape, sides["top"].width), np.float32)
+    for j, side in enumerate(sides.values()):
+        context[:, j] = side.neuron_context().cpu().numpy()
+    context = context.reshape(-1, context.shape[-1])
+    if not every:
+        context = context[keep]
+
+    def flat(array: np.ndarray) -> np.ndarray:
+        array = np.broadcast_to(array, shape).reshape(-1)
+        return array if every else array[keep]
+
+    kinds = np.array([TRIGGER_KINDS.index(name) for name in sides], np.int64)
+    width = context.shape[1] - state.extras  # gate, up after the context coefficients (or none)
+    nan = np.full(len(context), np.nan, np.float32)
+    return {"layer": np.full(len(context), layer, np.int16), "neuron": flat(np.arange(d_ff, dtype=np.int32)[:, None, None]),
+            "kind": flat(kinds[None, :, None]), "rank": flat(np.arange(k, dtype=np.int16)[None, None, :]),
+            "activation": flat(values), "code": flat(codes), "context": context[:, :width],
+            "gate_pre": context[:, width] if state.extras else nan,
+            "up_pre": context[:, width + 1] if state.extras else nan}
 
 
 def contexts_table(model: Model, config: ScanConfig, plan: TokenPlan, state, codes: np.ndarray) -> pa.Table:
@@ -217,17 +243,18 @@ def contexts_table(model: Model, config: ScanConfig, plan: TokenPlan, state, cod
     doc, pos = unpack(codes)
     infos = trigger_texts(state.texts, doc, pos, window=plan.window, before=config.context_before,
                           after=config.context_after, token_str=model.token_str)
-    vocab = model.vocab_strings
     piece_offsets = np.concatenate([[0], np.cumsum([len(t.pieces) for t in infos])]).astype(np.int64)
     token_ids = np.array([t.token_id for t in infos], np.int32)
     next_ids = np.array([t.next_token_id for t in infos], np.int32)
+    texts = model.token_texts(np.concatenate([token_ids, next_ids[next_ids >= 0]]).tolist())
+    next_texts = iter(texts[len(token_ids):])
     return pa.table({
         "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
         "doc_id": pa.array([t.doc_id for t in infos], pa.string()),
         "token_id": token_ids,
-        "token": pa.array([vocab[i] for i in token_ids.tolist()], pa.string()),
+        "token": pa.array(texts[:len(token_ids)], pa.string()),
         "next_token_id": next_ids,
-        "next_token": pa.array([vocab[i] if i >= 0 else "" for i in next_ids.tolist()], pa.string()),
+        "next_token": pa.array([next(next_texts) if i >= 0 else "" for i in next_ids.tolist()], pa.string()),
         "context": pa.array([t.context for t in infos], pa.string()),
         "span_start": np.array([t.span[0] for t in infos], np.int32),
         "span_end": np.array([t.span[1] for t in infos], np.int32),
@@ -237,82 +264,113 @@ def contexts_table(model: Model, config: ScanConfig, plan: TokenPlan, state, cod
     })
 
 
-def _list_column(matrix: np.ndarray, rows: int) -> pa.Array:
-    """[T, width] float32 with NaN outside the window -> list<float32> of the valid entries per row."""
-    if matrix.shape[1]:
-        valid = ~np.isnan(matrix)
-        lengths, flat = valid.sum(axis=1), matrix[valid]
-    else:
-        lengths, flat = np.zeros(rows, np.int64), np.empty(0, np.float32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(np.float32)))
+def _list_column(matrix: np.ndarray, *, at: np.ndarray | None = None, rows: int | None = None) -> pa.Array:
+    """[R, width] float32 with NaN outside the window -> list<float32> of the valid entries per row.
+    ``at`` (ascending [R]) and ``rows``: the matrix holds rows ``at`` of a column of ``rows`` rows, the
+    others are empty lists."""
+    valid = ~np.isnan(matrix)
+    counts = np.count_nonzero(valid, axis=1)
+    if at is not None:
+        placed = np.zeros(rows, np.int64)
+        placed[at] = counts
+        counts = placed
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    flat = matrix.reshape(-1) if offsets[-1] == matrix.size else matrix[valid]
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))
+
+
+def _doc_pos(parts: list[dict]) -> dict[str, pa.ChunkedArray]:
+    """The doc and pos columns from each part's packed codes (:func:`kvmem.plan.unpack`)."""
+    pairs = [unpack(part["code"]) for part in parts]
+    return {"doc": pa.chunked_array([pa.array(doc) for doc, _ in pairs], pa.int64()),
+            "pos": pa.chunked_array([pa.array(pos.astype(np.int32)) for _, pos in pairs], pa.int32())}
+
+
+def _chunked(parts: list[dict], name: str, kind=None) -> pa.ChunkedArray:
+    return pa.chunked_array([pa.array(part[name], kind) for part in parts], kind)
 
 
 def triggers_table(state) -> pa.Table:
-    """One row per kept trigger; its text is the row (doc, pos) of the contexts table."""
-    arrays = _trigger_arrays(state.layers, state.layer_states)
-    doc, pos = unpack(arrays["code"])
+    """One row per kept trigger, sorted by (layer, neuron, kind, rank); its text is the row (doc, pos)
+    of the contexts table. Columns are chunked by layer (no whole-table copies)."""
+    parts = [_trigger_layer(layer, state.layer_states[layer]) for layer in state.layers]
+    kinds = pa.array(TRIGGER_KINDS, pa.string())
     return pa.table({
-        "layer": arrays["layer"], "neuron": arrays["neuron"],
-        "kind": pc.take(pa.array(TRIGGER_KINDS, pa.string()), pa.array(arrays["kind"])),
-        "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
-        "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
-        "context_activations": _list_column(arrays["context"], len(arrays["code"])),
-        "gate_pre": arrays["gate_pre"].astype(np.float32), "up_pre": arrays["up_pre"].astype(np.float32),
+        "layer": _chunked(parts, "layer"), "neuron": _chunked(parts, "neuron"),
+        "kind": pa.chunked_array([pc.take(kinds, pa.array(p["kind"])) for p in parts], pa.string()),
+        "rank": _chunked(parts, "rank"), "activation": _chunked(parts, "activation", pa.float32()),
+        **_doc_pos(parts),
+        "context_activations": pa.chunked_array([_list_column(p["context"]) for p in parts],
+                                                pa.large_list(pa.float32())),
+        "gate_pre": _chunked(parts, "gate_pre", pa.float32()), "up_pre": _chunked(parts, "up_pre", pa.float32()),
     })
 
 
-def _sample_arrays(layers: list[int], states: dict[int, LayerState]) -> dict[str, np.ndarray] | None:
-    """Flatten samples, sorted by (layer, neuron, kind (random, then bin), bin, rank); empty entries dropped."""
-    parts: dict[str, list[np.ndarray]] = {}
+def _sample_layer(layer: int, s: LayerState) -> dict[str, np.ndarray] | None:
+    """One layer's samples in table order: neuron, then the random sample (rank order), then the bin
+    samples (bin, rank); empty entries dropped. Rows are placed by counting, without a sort."""
+    if s.random is None and s.bins is None:
+        return None
+    d_ff = (s.random.values.shape[1] if s.random is not None else s.bins.codes.shape[0])
+    if s.random is not None:
+        random_codes = s.random.codes.cpu().numpy()
+        ranks = np.flatnonzero(random_codes >= 0)  # the kept entries of the shared random positions
+        context = s.random.context.cpu().numpy()  # [S, F, C (+ gate, up)]
+        width = context.shape[2] - s.extras
+    else:
+        random_codes, ranks, width = np.empty(0, np.int64), np.empty(0, np.int64), 0
+    r = len(ranks)
+    if s.bins is not None:
+        bin_codes = s.bins.codes.cpu().numpy()  # [F, B, Q]
+        b_neuron, b_bin, b_rank = np.nonzero(bin_codes >= 0)  # in (neuron, bin, rank) order
+        per_neuron = np.bincount(b_neuron, minlength=d_ff)
+    else:
+        b_neuron = b_bin = b_rank = np.empty(0, np.int64)
+        per_neuron = np.zeros(d_ff, np.int64)
+    rows = r + per_neuron  # [F] rows of each neuron
+    start = np.zeros(d_ff + 1, np.int64)
+    np.cumsum(rows, out=start[1:])
+    total = int(start[-1])
+    random_at = (start[:-1, None] + np.arange(r)[None, :]).reshape(-1)  # [F * r], (neuron, rank) order
+    bin_base = np.zeros(d_ff + 1, np.int64)
+    np.cumsum(per_neuron, out=bin_base[1:])
+    bin_at = start[b_neuron] + r + np.arange(len(b_neuron)) - bin_base[b_neuron]
 
-    def add(**columns):
-        for name, values in columns.items():
-            parts.setdefault(name, []).append(values)
-
-    for layer in layers:
-        s = states[layer]
-        pieces = []
-        if s.random is not None:
-            codes = s.random.codes.cpu().numpy()
-            values = s.random.values.cpu().numpy().T  # [F, S]
-            context = s.random.context.cpu().numpy().transpose(1, 0, 2)  # [F, S, C (+ gate, up)]
-            context = context[:, :, :context.shape[2] - s.extras]
-            d_ff, size = values.shape
-            keep = np.broadcast_to(codes >= 0, (d_ff, size)).reshape(-1)
-            pieces.append(dict(
-                neuron=np.repeat(np.arange(d_ff, dtype=np.int32), size)[keep], kind=np.zeros(keep.sum(), np.int8),
-                bin=np.full(keep.sum(), -1, np.int16), rank=np.tile(np.arange(size, dtype=np.int16), d_ff)[keep],
-                activation=values.reshape(-1)[keep], code=np.tile(codes, d_ff)[keep],
-                context=context.reshape(d_ff * size, -1)[keep]))
-        if s.bins is not None:
-            codes = s.bins.codes.cpu().numpy()  # [F, B, Q]
-            neuron, bin_, rank = np.nonzero(codes >= 0)
-            width = pieces[0]["context"].shape[1] if pieces else 0
-            pieces.append(dict(
-                neuron=neuron.astype(np.int32), kind=np.ones(len(neuron), np.int8), bin=bin_.astype(np.int16),
-                rank=rank.astype(np.int16), activation=s.bins.values.cpu().numpy()[neuron, bin_, rank],
-                code=codes[neuron, bin_, rank], context=np.full((len(neuron), width), np.nan, np.float32)))
-        if not pieces:
-            return None
-        merged = {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
-        order = np.lexsort((merged["rank"], merged["bin"], merged["kind"], merged["neuron"]))
-        add(layer=np.full(len(order), layer, np.int16), **{name: values[order] for name, values in merged.items()})
-    return {name: np.concatenate(p) for name, p in parts.items()}
+    out = {"layer": np.full(total, layer, np.int16), "neuron": np.repeat(np.arange(d_ff, dtype=np.int32), rows),
+           "kind": np.ones(total, np.int64), "bin": np.empty(total, np.int16), "rank": np.empty(total, np.int16),
+           "activation": np.empty(total, np.float32), "code": np.empty(total, np.int64),
+           "context": np.empty((0, width), np.float32), "context_at": random_at}
+    if r:
+        out["kind"][random_at] = 0
+        out["bin"][random_at] = -1
+        out["rank"][random_at] = np.tile(ranks, d_ff)
+        out["activation"][random_at] = s.random.values.cpu().numpy()[ranks].T.reshape(-1)
+        out["code"][random_at] = np.tile(random_codes[ranks], d_ff)
+        out["context"] = context[ranks, :, :width].transpose(1, 0, 2).reshape(-1, width)  # rows random_at
+    if len(b_neuron):
+        out["bin"][bin_at] = b_bin
+        out["rank"][bin_at] = b_rank
+        out["activation"][bin_at] = s.bins.values.cpu().numpy()[b_neuron, b_bin, b_rank]
+        out["code"][bin_at] = bin_codes[b_neuron, b_bin, b_rank]
+    return out
 
 
 def samples_table(state) -> pa.Table | None:
-    """One row per sampled coefficient (None when the scan kept no samples); text as for triggers."""
-    arrays = _sample_arrays(state.layers, state.layer_states)
-    if arrays is None:
+    """One row per sampled coefficient (None when the scan kept no samples), sorted by (layer, neuron,
+    kind (random, then bin), bin, rank); text as for triggers. Columns are chunked by layer."""
+    parts = [part for layer in state.layers if (part := _sample_layer(layer, state.layer_states[layer])) is not None]
+    if not parts:
         return None
-    doc, pos = unpack(arrays["code"])
+    kinds = pa.array(["random", "bin"], pa.string())
     return pa.table({
-        "layer": arrays["layer"], "neuron": arrays["neuron"],
-        "kind": pc.take(pa.array(["random", "bin"], pa.string()), pa.array(arrays["kind"].astype(np.int64))),
-        "bin": arrays["bin"], "rank": arrays["rank"], "activation": arrays["activation"].astype(np.float32),
-        "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
-        "context_activations": _list_column(arrays["context"], len(arrays["code"])),
+        "layer": _chunked(parts, "layer"), "neuron": _chunked(parts, "neuron"),
+        "kind": pa.chunked_array([pc.take(kinds, pa.array(p["kind"])) for p in parts], pa.string()),
+        "bin": _chunked(parts, "bin"), "rank": _chunked(parts, "rank"),
+        "activation": _chunked(parts, "activation", pa.float32()),
+        **_doc_pos(parts),
+        "context_activations": pa.chunked_array([_list_column(p["context"], at=p["context_at"], rows=len(p["code"]))
+                                                 for p in parts], pa.large_list(pa.float32())),
     })
 
 
