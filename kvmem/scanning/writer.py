@@ -219,7 +219,7 @@ def _trigger_layer(layer: int, state: LayerState) -> dict[str, np.ndarray]:
     context = np.empty((*shape, sides["top"].width), np.float32)
     for j, side in enumerate(sides.values()):
         context[:, j] = side.neuron_context().cpu().numpy()
-    context = context.reshape(-1, context.shape[-1])
+    context = context.reshape(len(keep), context.shape[-1])
     if not every:
         context = context[keep]
 
@@ -347,7 +347,7 @@ def _sample_layer(layer: int, s: LayerState) -> dict[str, np.ndarray] | None:
         out["rank"][random_at] = np.tile(ranks, d_ff)
         out["activation"][random_at] = s.random.values.cpu().numpy()[ranks].T.reshape(-1)
         out["code"][random_at] = np.tile(random_codes[ranks], d_ff)
-        out["context"] = context[ranks, :, :width].transpose(1, 0, 2).reshape(-1, width)  # rows random_at
+        out["context"] = context[ranks, :, :width].transpose(1, 0, 2).reshape(d_ff * r, width)  # rows random_at
     if len(b_neuron):
         out["bin"][bin_at] = b_bin
         out["rank"][bin_at] = b_rank
