@@ -68,3 +68,29 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+
+
+def tiny_llama_dir(root: Path) -> Path:
+    """A 2-layer gated Llama (SwiGLU) with the real GPT-2 tokenizer and RMSNorm gains drawn from [0.5, 1.5]."""
+    path = root / "tiny-llama"
+    if path.exists():
+        return path
+    import torch
+    from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
+
+    from kvmem.builtin import gpt2_tokenizer_dir
+
+    tokenizer = GPT2TokenizerFast.from_pretrained(gpt2_tokenizer_dir())
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import tiny_llama_dir
+
 BACKENDS = ("numba", "torch")
 
 # name -> (model, corpus, settings): tiny random-init models (tests/conftest.py's shapes) and SmolLM2
@@ -45,27 +47,7 @@ def model_dir(name: str, models: Path) -> str:
 
         return str(gpt2_random_dir(n_layer=2, n_embd=64, n_head=4, n_positions=128))
     if name == "tiny-llama":
-        path = models / "tiny-llama"
-        if not path.exists():
-            import torch
-            from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
-
-            from kvmem.builtin import gpt2_tokenizer_dir
-
-            tokenizer = GPT2TokenizerFast.from_pretrained(gpt2_tokenizer_dir())
-            config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id, hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128)
-            torch.manual_seed(1)
-            model = LlamaForCausalLM(config)
-            with torch.no_grad():
-                for parameter_name, parameter in model.named_parameters():
-                    if "norm" in parameter_name:
-                        parameter.uniform_(0.5, 1.5)
-            model.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-        return str(path)
+        return str(tiny_llama_dir(models))
     return name
 
 

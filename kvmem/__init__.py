@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 # public name -> (module, attribute); attribute None exports the module itself
 _LAZY: dict[str, tuple[str, str | None]] = {
     "KvmemError": ("kvmem.errors", "KvmemError"),
-    "load_model": ("kvmem.models", "load_model"),
+    "load_model": ("kvmem.loading", "load_model"),
     "Model": ("kvmem.models", "Model"),
     "corpus": ("kvmem.corpus", None),
     "anatomy": ("kvmem.anatomy", None),

@@ -72,7 +72,7 @@ def check_model(source, model: Model, *, on_mismatch: str = "raise", stacklevel:
 def load_scanned_model(source, *, device: Any = None, on_mismatch: str = "raise") -> Model:
     """The scanned model, loaded as the manifest names it: name (a built-in name, local directory or hub id),
     dtype and hub revision; its fingerprint is checked (:func:`check_model` with ``on_mismatch``)."""
-    from kvmem.models import load_model
+    from kvmem.loading import load_model
 
     scanned = _manifest(source).model
     model = load_model(scanned["name"], device=device, dtype=scanned.get("dtype"), revision=scanned.get("revision"))

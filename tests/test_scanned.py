@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvmem
-import kvmem.models
+import kvmem.loading
 from kvmem.atlas import open_atlas
 from kvmem.corpus import open_corpus
 from kvmem.errors import KvmemError
@@ -32,14 +32,14 @@ def _edited_copy(atlas, target, **model_fields):
 
 @pytest.fixture
 def loads(monkeypatch, gpt2_model):
-    """Every kvmem.models.load_model call's arguments; each returns the tiny GPT-2."""
+    """Every kvmem.loading.load_model call's arguments; each returns the tiny GPT-2."""
     calls = []
 
     def load_model(name_or_path, **kwargs):
         calls.append({"name": name_or_path, **kwargs})
         return gpt2_model
 
-    monkeypatch.setattr(kvmem.models, "load_model", load_model)
+    monkeypatch.setattr(kvmem.loading, "load_model", load_model)
     return calls
 
 

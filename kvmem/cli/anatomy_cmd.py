@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.cli.output import print_table
-    from kvmem.models import load_model
+    from kvmem.loading import load_model
 
     model = load_model(args.model, revision=args.revision, device="cpu")
     table = model.anatomy()

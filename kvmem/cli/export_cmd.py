@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     atlas = open_atlas(args.atlas)
     model = None
     if args.model is not None:
-        from kvmem.models import load_model
+        from kvmem.loading import load_model
 
         model = load_model(args.model, device=args.device, dtype=atlas.manifest.model.get("dtype"))
     out = export_atlas(atlas, format=args.format, out=args.out, layers=parse_layers(args.layers), neurons=args.neurons,

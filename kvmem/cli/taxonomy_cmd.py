@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
             raise KvmemError("--model needs --out FILE.parquet (where to write the weights-only taxonomy)")
         if args.convention is not None:
             raise KvmemError("--convention applies to --atlas only (the self-suppression rank reads the atlas's values)")
-        from kvmem.models import load_model
+        from kvmem.loading import load_model
 
         atlas = None
         model = load_model(args.model, device=args.device, revision=args.revision)

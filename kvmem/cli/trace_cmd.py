@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_trace(args: argparse.Namespace) -> int:
     from kvmem.cli.output import print_table
-    from kvmem.models import load_model
+    from kvmem.loading import load_model
     from kvmem.tracing import trace
 
     model = load_model(args.model, device=args.device)
@@ -83,7 +83,7 @@ def _run_trace(args: argparse.Namespace) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
     edits = dict(parse_set(text) for text in args.edits)  # parsed before the model loads: fast errors
     from kvmem.intervention import greedy_continuation, intervene
-    from kvmem.models import load_model
+    from kvmem.loading import load_model
 
     model = load_model(args.model, device=args.device)
     with intervene(model, edits, positions=args.positions, mode=args.mode):  # validates before generating

@@ -159,7 +159,8 @@ def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.Pa
 
     The fingerprint is checked (:func:`check_fingerprint`) either way.
     """
-    from kvmem.models import Model, load_model
+    from kvmem.loading import load_model
+    from kvmem.models import Model
 
     atlas = as_atlas(atlas)
     if model is None:

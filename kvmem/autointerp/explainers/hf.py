@@ -29,7 +29,7 @@ class HFBackend:
 
     def _load(self):
         if self._loaded is None:
-            from kvmem.models import load_model
+            from kvmem.loading import load_model
 
             model = load_model(self.path, device=self.device or "cpu")
             tokenizer = model.tokenizer
