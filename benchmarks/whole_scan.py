@@ -19,6 +19,7 @@ import os
 import shutil
 import statistics
 import tempfile
+from pathlib import Path
 
 import torch
 from common import Timer, machine, peak_rss_mb
@@ -73,12 +74,13 @@ def main() -> None:
         whole.append(timer.seconds)
         phases.append(atlas.manifest.timing["phases"])
         backend = atlas.manifest.backend
+    atlas_mb = sum(f.stat().st_size for f in Path(out, "warm").iterdir()) / 1e6  # values/keys: linked from the cache
     shutil.rmtree(out, ignore_errors=True)
     bare_s, whole_s = statistics.median(bare), statistics.median(whole)
     result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 1),
               "scan_seconds": round(whole_s, 1), "ratio": round(bare_s / whole_s, 3),
               "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
-              "backend": backend,
+              "backend": backend, "atlas_mb": round(atlas_mb, 1),
               "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
     print(f"{args.model}, {args.tokens:,} tokens ({backend} backend): whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
           f"ratio {result['ratio']:.2f}; phases {result['phases']}"

@@ -121,3 +121,36 @@ def test_a_format_2_atlas_still_reads(gpt2_model, atlas, tmp_path):
     assert reopened.triggers(1, 7).equals(atlas.triggers(1, 7))
     assert reopened.samples(1, 3).equals(atlas.samples(1, 3))
     assert reopened.search("the", limit=5).equals(atlas.search("the", limit=5))
+
+
+def test_contexts_cut_from_shared_window_pieces_equal_pieces_cut_alone():
+    """trigger_texts cuts each window's pieces once and shares them between neighbouring contexts; every
+    context must equal the one cut from its own first token (the whitespace before that token dropped),
+    also where offsets run backwards (overlapping byte-fallback tokens), where the shared chain differs."""
+    from kvmem.plan import WindowText
+    from kvmem.scanning.texts import TextStore, trigger_texts
+
+    text = "ab  cd\n\tef gh  ij"
+    monotone = ((0, 2), (4, 6), (8, 10), (11, 13), (15, 17))
+    backwards = ((0, 2), (4, 6), (1, 3), (5, 7), (8, 10), (8, 10), (11, 13), (15, 17))  # out of order
+    decoded = {i: f"<{i}>" for i in range(20)}
+    for offsets in (monotone, backwards, None):
+        tokens = tuple(range(len(offsets or monotone)))
+        window = WindowText(0, "d0", 0, tokens, -1, text, offsets)
+        store = TextStore()
+        store.add([window])
+        positions = np.arange(len(tokens))
+        got = trigger_texts(store, np.zeros_like(positions), positions, window=16, before=2, after=1,
+                            token_str=decoded.__getitem__)
+        for pos, info in zip(positions.tolist(), got):
+            c0, c1 = max(0, pos - 2), min(len(tokens), pos + 2)
+            if offsets is None:
+                pieces = [decoded[t] for t in tokens[c0:c1]]
+            else:  # the rule, written out: from c0's start, whitespace before a token belongs to it
+                pieces, cursor = [], offsets[c0][0]
+                for j in range(c0, c1):
+                    end = max(offsets[j][1], cursor)
+                    pieces.append(text[cursor:end])
+                    cursor = end
+            assert info.pieces == pieces and info.context == "".join(pieces), (offsets, pos)
+            assert info.span == (len("".join(pieces[:pos - c0])), len("".join(pieces[:pos - c0 + 1])))

@@ -85,18 +85,53 @@ def _pieces(text: str, offsets, start: int, stop: int) -> list[str]:
     return pieces
 
 
+class _WindowPieces:
+    """The pieces of every token of one window, cut once and shared by the contexts inside it
+    (neighbouring positions share all but one of their pieces)."""
+
+    def __init__(self, window: WindowText, token_str):
+        self.window, self.token_str = window, token_str
+        if window.offsets is not None:
+            # the chain from the window's first token: piece j runs from cursor[j - 1] to cursor[j]
+            self.pieces, self.cursors, cursor = [], [], window.offsets[0][0] if window.offsets else 0
+            for _, end in window.offsets:
+                end = max(end, cursor)
+                self.pieces.append(window.text[cursor:end])
+                self.cursors.append(end)
+                cursor = end
+        else:
+            self.pieces = [None] * len(window.tokens)  # decoded on demand
+
+    def context(self, c0: int, c1: int) -> list[str]:
+        """Pieces of tokens c0..c1-1, as :func:`_pieces` cuts them from c0 (its first piece without the
+        whitespace before it)."""
+        w = self.window
+        if w.offsets is None:
+            for j in range(c0, c1):
+                if self.pieces[j] is None:
+                    self.pieces[j] = self.token_str(w.tokens[j])
+            return self.pieces[c0:c1]
+        start, end = w.offsets[c0]
+        first_end = max(end, start)
+        if first_end != self.cursors[c0]:  # offsets out of order here: the chains differ, cut this one alone
+            return _pieces(w.text, w.offsets, c0, c1)
+        return [w.text[start:first_end], *self.pieces[c0 + 1:c1]]
+
+
 def trigger_texts(store: TextStore, docs: np.ndarray, positions: np.ndarray, *, window: int, before: int,
                   after: int, token_str) -> list[TriggerText]:
     """TriggerText of each (docs[i], positions[i]); context clipped to the window the model read."""
     out = []
+    cut: dict[int, _WindowPieces] = {}
     for doc, pos in zip(docs.tolist(), positions.tolist()):
-        w = store.windows[window_key(doc, pos - pos % window)]
+        key = window_key(doc, pos - pos % window)
+        w = store.windows[key]
         at = pos - w.start
         c0, c1 = max(0, at - before), min(len(w.tokens), at + after + 1)
-        if w.offsets is not None:
-            pieces = _pieces(w.text, w.offsets, c0, c1)
-        else:
-            pieces = [token_str(t) for t in w.tokens[c0:c1]]
+        pieces_of = cut.get(key)
+        if pieces_of is None:
+            pieces_of = cut[key] = _WindowPieces(w, token_str)
+        pieces = pieces_of.context(c0, c1)
         trigger = at - c0
         span_start = sum(len(p) for p in pieces[:trigger])
         following = w.tokens[at + 1] if at + 1 < len(w.tokens) else w.following
