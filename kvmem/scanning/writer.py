@@ -127,7 +127,10 @@ def _link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
     except OSError:
-        shutil.copyfile(source, target)
+        try:
+            shutil.copyfile(source, target)
+        except OSError as error:  # the atlas's file system failed (full, a size limit), not the source:
+            raise OSError(error.errno, error.strerror) from None  # the command names its --out
 
 
 def neurons_table(model: Model, layers: list[int], states: dict[int, LayerState]) -> pa.Table:
