@@ -183,3 +183,17 @@ def test_non_finite_weights_get_one_clear_error():
     vectors[3, 5] = float("nan")
     with pytest.raises(KvmemError, match=r"vectors hold NaN or inf \(1 rows of 300\)"):
         project_rows(vectors, basis, N, method="bf16-screen")
+
+
+@pytest.mark.parametrize("method", ["fp32-screen", "torch-screen"])
+def test_float32_screens_stay_exact_when_float32_matmuls_round_their_inputs(method):
+    """torch.set_float32_matmul_precision("medium") lets oneDNN (or TF32 on CUDA) round a float32 GEMM's
+    inputs; the float32 screens then widen their bound accordingly."""
+    vectors, basis = random_case(11)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        projection = project_rows(vectors, basis, N, method=method)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert_exact(projection, vectors, basis, N)

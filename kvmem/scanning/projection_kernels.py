@@ -1,5 +1,6 @@
-"""The numba kernel of the screened projection (imported only where numba is installed). The error
-bound, the tie rule and the wrapper are in :mod:`kvmem.scanning.projection_screen`.
+"""The numba kernel of the screened projection (imported only where numba is installed). The scores,
+the tie rule and the error bound are in :mod:`kvmem.scanning.projection_rules`, the wrapper in
+:mod:`kvmem.scanning.projection_screen`.
 
 Per row of a block: take the screen scores S [vocab] (bfloat16 ones widened to float32: their bits
 shifted up by 16), bound every exact score from below (S - eps) and above (S + eps), find the n-th largest lower
