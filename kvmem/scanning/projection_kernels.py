@@ -19,10 +19,17 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["screen_select"]
+__all__ = ["screen_select", "use_threads"]
 
 _WIDTH = 32  # tokens per chunk (at most)
 _GROUP = 8  # rows per parallel task (one set of row buffers each)
+
+
+def use_threads(count: int) -> None:
+    """numba's threads for the kernel (at most as many as it started with)."""
+    count = max(1, min(count, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != count:
+        numba.set_num_threads(count)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)

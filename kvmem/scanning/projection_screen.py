@@ -21,6 +21,7 @@ float32's range) a row is rescored in full. :class:`ProjectionStats` counts both
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -47,11 +48,13 @@ __all__ = ["Projection", "ProjectionStats", "Basis", "METHODS", "EXACT_METHODS",
            "prepare_basis", "project_rows", "bf16_units", "screen_bound"]
 
 ENV = "KVMEM_PROJECTION"  # environment variable naming a method
-BLOCK = {"bf16-screen": 1024, "fp32-screen": 512, "torch-screen": 512, "fp32-topk": 512}  # rows per GEMM
+BLOCK = {"bf16-screen": 256, "fp32-screen": 512, "torch-screen": 512, "fp32-topk": 512}  # rows per GEMM (CPU)
+CUDA_BLOCK = 4096  # rows per GEMM on a GPU (fewer, larger launches)
 
 _NUMBA: list = []  # [kernels module] once they loaded, [None] once they failed (warned once per process)
 
 
+@functools.lru_cache(maxsize=1)
 def bf16_units() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16, from /proc/cpuinfo's
     flags or torch's own probes) and torch reaches it (oneDNN)."""
@@ -121,7 +124,7 @@ def project_rows(vectors: Tensor, basis: Tensor | Basis, n: int, *, block: int |
         return Projection(empty.long(), empty, empty.long(), empty, ProjectionStats(basis.method, rows))
     vectors = vectors.detach()
     check_finite(vectors, "vectors")
-    block = block or BLOCK[basis.method]
+    block = block or (CUDA_BLOCK if basis.matrix.device.type == "cuda" else BLOCK[basis.method])
     with torch.inference_mode():
         if basis.method in CPU_METHODS:
             kernels = _kernels()
@@ -137,9 +140,7 @@ def project_rows(vectors: Tensor, basis: Tensor | Basis, n: int, *, block: int |
 def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
     """bf16-screen / fp32-screen: a GEMM screen per block, then the numba kernel (module docstring)."""
     low = basis.method == "bf16-screen"
-    threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
-    if kernels.numba.get_num_threads() != threads:
-        kernels.numba.set_num_threads(threads)
+    kernels.use_threads(torch.get_num_threads())  # numba's threads set to torch's
     rows = vectors.shape[0]
     top_ids, bottom_ids = np.empty((rows, n), np.int64), np.empty((rows, n), np.int64)
     top_scores, bottom_scores = np.empty((rows, n), np.float32), np.empty((rows, n), np.float32)

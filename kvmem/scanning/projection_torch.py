@@ -42,7 +42,8 @@ def torch_screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projectio
             rows = ok.nonzero().squeeze(1)
             for side, (ids, largest) in enumerate(((top.indices, True), (bottom.indices, False))):
                 ids = ids[rows].sort(dim=1).values  # [ok rows, keep], ascending
-                scores = _exact_gathered(a[rows], basis.columns, ids)
+                step = rows.numel() if device.type == "cuda" else 128  # a GPU takes the block at once
+                scores = _exact_gathered(a[rows], basis.columns, ids, rows_per_step=step)
                 chosen, scores = _order(ids, scores, n, largest)
                 out[2 * side][rows], out[2 * side + 1][rows] = chosen, scores
             screened += rows.numel()
