@@ -35,7 +35,8 @@ class Manifest:
     layers:         layers scanned
     tokenization:   ``TokenPlan.to_dict()`` (window, BOS, batching, max_tokens; shard 0/1)
     scan:           ``ScanConfig.to_dict()`` (shard 0/1)
-    histogram:      bin count and edges          projection: conventions with formulas, default, top_n
+    histogram:      bin count and edges          projection: conventions with formulas, default, top_n,
+                    the method that computed the tables and their tie order
     timing:         seconds per phase, total, batches, world size, this atlas's shard, merge sources
     engine:         the streaming ``backend`` (``numba``: compiled CPU kernels, ``torch``: torch ops), and the
                     ``device`` and ``dtype`` the model ran in; empty for atlases written before it was recorded

@@ -8,10 +8,12 @@ import os
 import pyarrow.parquet as pq
 import pytest
 import torch
+from projection_oracle import top_bottom
 
 import kvmem
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.projection import cached_projection_files
+from kvmem.scanning.projection_screen import ENV
 
 CONFIG = ScanConfig(top_n=4)
 
@@ -49,11 +51,12 @@ def test_same_weights_in_another_dtype_share_the_cache(bf16_exact_dir, cache):
     first = cached_projection_files(full, layers, CONFIG)
     second = cached_projection_files(half, layers, CONFIG)
     assert not first["cached"] and second["cached"] and first["files"] == second["files"]
-    # the cached tables are what a float32 brute force gives for the bfloat16 model's weights
+    # the cached tables are what a float64 brute force gives for the bfloat16 model's weights
     got = tables(second)["values"].to_pandas()
     raw = got[(got.convention == "raw") & (got.kind == "promote") & (got.layer == 1) & (got.neuron == 5)]
-    scores = half.values(1)[5].float() @ half.unembedding().float()
-    assert raw.token_id.tolist() == torch.topk(scores, 4).indices.tolist()
+    want = top_bottom(half.values(1)[5:6].float().numpy(), half.unembedding().float().numpy(), 4)
+    assert raw.token_id.tolist() == want["top_ids"][0].tolist()
+    assert raw.score.tolist() == want["top_scores"][0].tolist()
 
 
 def test_a_change_in_what_is_projected_invalidates_the_cache(llama_dir, cache):
@@ -69,14 +72,34 @@ def test_a_change_in_what_is_projected_invalidates_the_cache(llama_dir, cache):
     assert not changed["cached"] and changed["files"] != first["files"]
     values = tables(changed)["values"].to_pandas()
     row = values[(values.convention == "raw") & (values.kind == "promote") & (values.layer == 1) & (values.neuron == 3)]
-    assert row.token_id.tolist() == torch.topk(model.values(1)[3].float() @ model.unembedding().float(), 4).indices.tolist()
+    want = top_bottom(model.values(1)[3:4].float().numpy(), model.unembedding().float().numpy(), 4)
+    assert row.token_id.tolist() == want["top_ids"][0].tolist()
+
+
+def test_exact_methods_share_the_cache_and_the_plain_float32_one_does_not(llama_dir, cache, monkeypatch):
+    """The exact methods give the same numbers to the bit, so one entry serves them all; fp32-topk
+    (GEMM-rounded scores) has its own. The record beside the tables names the method that computed them."""
+    model = kvmem.load_model(llama_dir)
+    layers = list(range(model.n_layers))
+    monkeypatch.setenv(ENV, "torch-screen")
+    first = cached_projection_files(model, layers, CONFIG)
+    assert not first["cached"] and first["method"] == "torch-screen"
+    for method in ("bf16-screen", "fp32-screen"):
+        monkeypatch.setenv(ENV, method)
+        again = cached_projection_files(model, layers, CONFIG)
+        assert again["cached"] and again["files"] == first["files"] and again["method"] == "torch-screen"
+    monkeypatch.setenv(ENV, "fp32-topk")
+    plain = cached_projection_files(model, layers, CONFIG)
+    assert not plain["cached"] and plain["files"] != first["files"] and plain["method"] == "fp32-topk"
+    computed = tables(first)["keys"].to_pandas()
+    assert len(computed) == model.n_layers * model.d_ff * 2 * 2 * CONFIG.top_n  # key and gate, top and bottom
 
 
 def test_atlas_links_the_cached_files_and_survives_their_deletion(gpt2_model, cache, tmp_path):
     atlas = kvmem.scan(gpt2_model, ["one small document.", "and another one"], out=tmp_path / "a", top_k=2,
                        window=8, top_n=3, progress=False)
     files = cached_projection_files(gpt2_model, atlas.layers, atlas.manifest.config)
-    assert files["cached"]
+    assert files["cached"] and atlas.manifest.projection["method"] == files["method"]
     for name, source in files["files"].items():
         assert os.path.samefile(source, atlas.path / f"{name}.parquet")  # a link: no bytes rewritten
     before = atlas.values(1, 2)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHORT_DOCS
+from projection_oracle import top_bottom
 
 import kvmem
 import kvmem.schema
@@ -106,21 +107,26 @@ def test_statistics_equal_numpy(gpt2_model, gpt2_atlas):
 
 
 def test_projections_equal_brute_force(gpt2_model, gpt2_atlas):
+    """Against a float64 brute force (tests/projection_oracle.py): raw values and keys to the bit (ties
+    by token id); the final-norm convention's vectors are rebuilt here, so its scores agree to rounding."""
     for layer in (0, 1):
         values = gpt2_model.values(layer)
         norm = gpt2_model.final_norm()
         for convention, vectors in (("raw", values), ("final_norm", (values - values.mean(1, keepdim=True)) * norm.gain)):
-            scores = (vectors @ gpt2_model.unembedding()).numpy()  # the whole matrix: tiny model only
-            for neuron in (0, 255):
+            want = top_bottom(vectors[[0, 255]].numpy(), gpt2_model.unembedding().numpy(), 5)
+            for row, neuron in enumerate((0, 255)):
                 got = gpt2_atlas.values(layer, neuron, convention=convention)
-                promote = got[got.kind == "promote"]
-                assert promote.token_id.tolist() == np.argsort(-scores[neuron], kind="stable")[:5].tolist()
-                np.testing.assert_allclose(promote.score, np.sort(scores[neuron])[::-1][:5], rtol=1e-5)
-                suppress = got[got.kind == "suppress"]
-                assert suppress.token_id.tolist() == np.argsort(scores[neuron], kind="stable")[:5].tolist()
-        keys = (gpt2_model.keys(layer) @ gpt2_model.embedding().T).numpy()
+                promote, suppress = got[got.kind == "promote"], got[got.kind == "suppress"]
+                assert promote.token_id.tolist() == want["top_ids"][row].tolist()
+                assert suppress.token_id.tolist() == want["bottom_ids"][row].tolist()
+                if convention == "raw":
+                    assert promote.score.tolist() == want["top_scores"][row].tolist()
+                    assert suppress.score.tolist() == want["bottom_scores"][row].tolist()
+                np.testing.assert_allclose(promote.score, want["top_scores"][row], rtol=1e-5)
+        want = top_bottom(gpt2_model.keys(layer)[9:10].numpy(), gpt2_model.embedding().T.numpy(), 5)
         got = gpt2_atlas.keys(layer, 9)
-        assert got[got.kind == "promote"].token_id.tolist() == np.argsort(-keys[9])[:5].tolist()
+        assert got[got.kind == "promote"].token_id.tolist() == want["top_ids"][0].tolist()
+        assert got[got.kind == "promote"].score.tolist() == want["top_scores"][0].tolist()
 
 
 def test_gated_keys_projected_separately(llama_model, tmp_path):
@@ -128,8 +134,8 @@ def test_gated_keys_projected_separately(llama_model, tmp_path):
                        context_activations=False, progress=False)
     got = atlas.keys(1, 4)
     assert sorted(set(got.vector)) == ["gate", "key"]
-    gate = (llama_model.gate_keys(1) @ llama_model.embedding().T)[4]
-    assert got[(got.vector == "gate") & (got.kind == "promote")].token_id.tolist() == torch.topk(gate, 3).indices.tolist()
+    want = top_bottom(llama_model.gate_keys(1)[4:5].float().numpy(), llama_model.embedding().T.float().numpy(), 3)
+    assert got[(got.vector == "gate") & (got.kind == "promote")].token_id.tolist() == want["top_ids"][0].tolist()
     assert not np.isnan(atlas.neurons.gate_norm).any()
 
 

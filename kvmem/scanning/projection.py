@@ -3,12 +3,22 @@ and cache the resulting tables per model: they depend on the weights alone.
 
 For GPT-2 small the values' score matrix would be 36,864 × 50,257 floats (7.4 GB); here at
 most ``block`` rows × vocab are alive at once. Vectors and bases are projected in float32
-whatever dtype the model runs in. The tables are written once under ``$KVMEM_CACHE/projections/``
-and linked into every later atlas, keyed by what is projected (:func:`projected_digest`: the
-float32 vectors of every (layer, convention / key vector) and both bases), the vocabulary, the
-layers, conventions, top_n, the weights fingerprint and the device type; not by the scan's
-dtype, so a model whose weights are the same in bfloat16 and float32 shares one cache entry,
-and a change in what a value means (a convention, a norm folded in) changes the key by itself.
+whatever dtype the model runs in, by :func:`~kvmem.scanning.projection_screen.project_rows`: the
+top and bottom n exactly (scores: float64 sums of the float32 products rounded to float32; ties by
+token id), screened by a bfloat16 GEMM with a proven error bound on a CPU with bfloat16 units
+(else a float32 screen), with the candidates the bound cannot exclude rescored exactly (see
+:mod:`kvmem.scanning.projection_screen`; ``KVMEM_PROJECTION`` picks a method). Each basis is
+prepared once per table (its bfloat16 copy and column norms), not once per layer.
+
+The tables are written once under ``$KVMEM_CACHE/projections/`` and linked into every later atlas,
+keyed by what is projected (:func:`projected_digest`: the float32 vectors of every (layer,
+convention / key vector) and both bases), the vocabulary, the layers, conventions, top_n, the
+weights fingerprint, the device type and whether the scores are exact (every exact method gives
+the same numbers to the bit, so they share an entry; ``fp32-topk`` has its own); not by the scan's
+dtype, so a model whose weights are the same in bfloat16 and float32 shares one cache entry, and a
+change in what a value means (a convention, a norm folded in) changes the key by itself. Beside
+the tables, ``projection.json`` records the method that computed them (the atlas manifest's
+``projection.method``), its mean candidates per row and its rows rescored in full.
 """
 
 from __future__ import annotations
@@ -16,47 +26,32 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 from torch import Tensor
 
 from kvmem.conventions import value_vectors
 from kvmem.models import Model
+from kvmem.scanning.projection_screen import (
+    EXACT_METHODS,
+    Projection,
+    ProjectionStats,
+    prepare_basis,
+    project_rows,
+    select_method,
+)
 
-__all__ = ["Projection", "project_rows", "key_vectors", "projected_vectors", "projected_digest", "projection_tables",
-           "cached_projection_files"]
+__all__ = ["Projection", "ProjectionStats", "ProjectionTables", "project_rows", "key_vectors", "projected_vectors",
+           "projected_digest", "projection_tables", "cached_projection_files"]
 
-_CACHE_VERSION = 2  # 2: keyed by the projected float32 content, not the dtype
+_CACHE_VERSION = 3  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id
+_RECORD = "projection.json"  # beside the cached tables: the method that computed them, and its counts
 _DIGEST_STRIDE = 16  # rows (of vectors) / columns (of bases) read into the content digest: 1 in 16
-
-
-@dataclass(frozen=True)
-class Projection:
-    """Top and bottom ``n`` tokens per row. All [rows, n]: ids int64, scores float32."""
-
-    top_ids: Tensor
-    top_scores: Tensor
-    bottom_ids: Tensor
-    bottom_scores: Tensor
-
-
-def project_rows(vectors: Tensor, basis: Tensor, n: int, *, block: int = 512) -> Projection:
-    """scores = vectors [rows, d_model] @ basis [d_model, vocab]; keep the n highest and lowest per row."""
-    n = min(n, basis.shape[1])
-    parts: list[tuple[Tensor, ...]] = []
-    basis = basis.float()
-    with torch.inference_mode():
-        for start in range(0, vectors.shape[0], block):
-            scores = vectors[start:start + block].float() @ basis  # [block, vocab]
-            top = torch.topk(scores, n, dim=1)
-            bottom = torch.topk(scores, n, dim=1, largest=False)
-            parts.append((top.indices, top.values, bottom.indices, bottom.values))
-    return Projection(*(torch.cat([p[i] for p in parts]).cpu() for i in range(4)))
 
 
 def key_vectors(model: Model, layer: int) -> dict[str, Tensor]:
@@ -113,21 +108,40 @@ def projected_digest(projected: Projected) -> str:
     return digest.hexdigest()
 
 
-def projection_tables(model: Model, layers: list[int], config, *, bar=None,
-                      projected: Projected | None = None) -> dict[str, pa.Table]:
-    """The ``values`` and ``keys`` tables (see kvmem.schema.COLUMNS), computed now."""
+@dataclass(frozen=True)
+class ProjectionTables:
+    """The ``values`` and ``keys`` tables (see kvmem.schema.COLUMNS) and how they were computed."""
+
+    values: pa.Table
+    keys: pa.Table
+    stats: ProjectionStats
+    seconds: float
+
+
+def projection_tables(model: Model, layers: list[int], config, *, bar=None, projected: Projected | None = None,
+                      method: str | None = None) -> ProjectionTables:
+    """The ``values`` and ``keys`` tables, computed now; ``method``: see
+    :func:`kvmem.scanning.projection_screen.select_method` (None: the environment's or the machine's)."""
+    started = time.perf_counter()
     n = min(config.top_n, model.vocab_size)
     projected = projected or projected_vectors(model, layers, config)
-    value_parts, key_parts = [], []
+    method = select_method(projected.unembedding.device, method)
+    unembedding = prepare_basis(projected.unembedding, method=method)  # once for every layer and convention
+    embedding = prepare_basis(projected.embedding, method=method) if projected.keys else None
+    value_parts, key_parts, stats = [], [], ProjectionStats(method)
     for layer in layers:
-        value_parts += [_rows(layer, project_rows(vectors, projected.unembedding, n), label)
-                        for at, label, vectors in projected.values if at == layer]
-        key_parts += [_rows(layer, project_rows(vectors, projected.embedding, n), label)
-                      for at, label, vectors in projected.keys if at == layer]
+        for parts, basis, label_vectors in ((value_parts, unembedding, projected.values),
+                                            (key_parts, embedding, projected.keys)):
+            for at, label, vectors in label_vectors:
+                if at == layer:
+                    projection = project_rows(vectors, basis, n)
+                    stats += projection.stats
+                    parts.append(_rows(layer, projection, label))
         if bar is not None:
             bar.update()
     vocab = pa.array(model.vocab_strings, pa.string())
-    return {"values": _table(value_parts, "convention", vocab), "keys": _table(key_parts, "vector", vocab)}
+    return ProjectionTables(_table(value_parts, "convention", vocab), _table(key_parts, "vector", vocab), stats,
+                            time.perf_counter() - started)
 
 
 def _rows(layer: int, projection: Projection, label: str) -> dict:
@@ -171,49 +185,63 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
     return pa.table([merged[name] for name in schema.names], schema=schema)
 
 
-def _cache_key(model: Model, layers: list[int], config, projected: Projected) -> str | None:
-    """None when the weights have no reliable fingerprint (then nothing is cached)."""
+def _cache_key(model: Model, layers: list[int], config, projected: Projected, method: str) -> str | None:
+    """None when the weights have no reliable fingerprint (then nothing is cached). The exact methods
+    give the same numbers to the bit, so they share one entry; fp32-topk has its own."""
     if not model.fingerprint or model.fingerprint.endswith(("unknown", "None")):
         return None
     from kvmem.schema import arrow_schema
 
-    vocab = hashlib.sha256("\0".join(model.vocab_strings).encode("utf-8", "surrogatepass")).hexdigest()
+    vocab = model.vocab_digest  # names the decoded vocabulary without decoding it
     # the tables' own schema, not the atlas format: a change elsewhere in the atlas keeps the cache
     tables = hashlib.sha256(str([arrow_schema(name) for name in ("values", "keys")]).encode()).hexdigest()
     key = {"cache": _CACHE_VERSION, "tables": tables, "fingerprint": model.fingerprint, "vocab": vocab,
            "content": projected_digest(projected), "device": str(model.device).split(":")[0], "layers": list(layers),
-           "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections}
+           "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections,
+           "scores": "exact" if method in EXACT_METHODS else method}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def cached_projection_files(model: Model, layers: list[int], config, *, bar=None) -> dict:
-    """{'files': {'values': path, 'keys': path}, 'cached': bool}: parquet files to link into an atlas,
-    read from the per-model cache or computed (and cached) now."""
+    """{'files': {'values': path, 'keys': path}, 'cached': bool, 'method': str}: parquet files to link
+    into an atlas, read from the per-model cache or computed (and cached) now; ``method``: the
+    projection method that computed them (recorded beside the cached tables)."""
     from kvmem.atomic import staged_directory
     from kvmem.builtin import cache_dir
-    from kvmem.scanning.parquet import write_parquet
 
     projected = projected_vectors(model, layers, config)
-    key = _cache_key(model, layers, config, projected)
+    method = select_method(projected.unembedding.device)
+    key = _cache_key(model, layers, config, projected, method)
     names = ("values", "keys")
     if key is not None:
         directory = cache_dir() / "projections" / key
         if all((directory / f"{name}.parquet").exists() for name in names):
             if bar is not None:
                 bar.update(len(layers))
-            return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": True}
-    tables = projection_tables(model, layers, config, bar=bar, projected=projected)
-    if key is None:
-        directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
-        for name in names:
-            write_parquet(directory / f"{name}.parquet", tables[name])
-    else:
+            try:
+                recorded = json.loads((directory / _RECORD).read_text())["method"]
+            except (OSError, ValueError, KeyError):
+                recorded = "unknown"
+            return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": True,
+                    "method": recorded}
+    tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
+    if key is not None:
         try:
             with staged_directory(directory) as tmp:
-                for name in names:
-                    write_parquet(tmp / f"{name}.parquet", tables[name])
+                _write(tmp, tables)
+            return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": False,
+                    "method": method}
         except OSError:  # a read-only cache: compute every time
-            directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
-            for name in names:
-                write_parquet(directory / f"{name}.parquet", tables[name])
-    return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": False}
+            pass
+    directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
+    _write(directory, tables)
+    return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": False, "method": method}
+
+
+def _write(directory: Path, tables: ProjectionTables) -> None:
+    from kvmem.scanning.parquet import write_parquet
+
+    for name in ("values", "keys"):
+        write_parquet(directory / f"{name}.parquet", getattr(tables, name))
+    record = {**tables.stats.to_dict(), "seconds": round(tables.seconds, 2)}
+    (directory / _RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")

@@ -59,7 +59,8 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                       "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
                       "world_size": world, "batches": state.batches, "shard": list(config.shard),
                       "projections_cached": projections["cached"], **(run or {})}
-            return build_manifest(model, corpus, config, plan, state, timing, backend=backend)
+            return build_manifest(model, corpus, config, plan, state, timing, backend=backend,
+                                  projection_method=projections["method"])
 
         with phases.phase("write", total=1) as bar:
             for name, source in projections["files"].items():
@@ -378,8 +379,10 @@ def samples_table(state) -> pa.Table | None:
 
 
 def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, timing: dict,
-                   *, backend: str) -> Manifest:
-    """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned."""
+                   *, backend: str, projection_method: str | None = None) -> Manifest:
+    """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned.
+    ``projection_method``: the method that computed the projection tables (see
+    :mod:`kvmem.scanning.projection_screen`)."""
     import torch
     import transformer_lens
     import transformers
@@ -406,7 +409,9 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
         projection={"conventions": {c: CONVENTIONS[c].formula for c in config.conventions},
                        "default_convention": DEFAULT_CONVENTION if DEFAULT_CONVENTION in config.conventions
                        else config.conventions[0], "top_n": config.top_n,
-                    "keys": "score = W_E[token] . k (input embedding, no norm)"},
+                    "keys": "score = W_E[token] . k (input embedding, no norm)",
+                    "method": projection_method or "unknown",
+                    "order": "top: score descending, bottom: score ascending; ties by token id ascending"},
         timing=timing,
         engine={"backend": backend, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
         environment={"torch": torch.__version__, "transformers": transformers.__version__,
