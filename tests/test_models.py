@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -318,3 +319,25 @@ def test_every_cli_device_option_has_help():
     assert {"scan", "export", "experiment", "trace"} <= set(with_device)
     for name, action in with_device.items():
         assert action.help and "cpu, cuda or cuda:N" in action.help and "LOCAL_RANK" in action.help, name
+
+
+def test_token_texts_decode_only_what_is_asked_and_vocab_digest_names_the_tokenizer(gpt2_model):
+    """token_texts gives the tokenizer's own decode of each id (a scan's contexts need a few thousand ids, not
+    the whole vocabulary); vocab_digest, the projection cache's name for the vocabulary, is stable and changes
+    with the tokenizer's definition."""
+    import copy
+    from types import SimpleNamespace
+
+    from kvmem.models import Model
+
+    ids = [15496, 995, 50256, 15496, 0, 220]
+    assert gpt2_model.token_texts(ids) == [gpt2_model.tokenizer.decode([i]) for i in ids]
+    assert gpt2_model.token_texts([50256]) == ["<|endoftext|>"]
+    digest = Model.vocab_digest.func  # the cached property's function, on stand-ins holding a tokenizer
+    same = digest(SimpleNamespace(tokenizer=gpt2_model.tokenizer, vocab_size=gpt2_model.vocab_size))
+    assert same == gpt2_model.vocab_digest and len(same) == 64
+    edited = copy.deepcopy(gpt2_model.tokenizer)
+    edited.add_tokens(["<kvmem-test-token>"])
+    assert digest(SimpleNamespace(tokenizer=edited, vocab_size=gpt2_model.vocab_size)) != same
+    slow = SimpleNamespace(tokenizer=object(), vocab_size=3, vocab_strings=["a", "b", "c"])  # no backend_tokenizer
+    assert digest(slow) == hashlib.sha256(b"a\0b\0c").hexdigest()
