@@ -127,7 +127,10 @@ def projection_tables(model: Model, layers: list[int], config, *, bar=None, proj
     projected = projected or projected_vectors(model, layers, config)
     method = select_method(projected.unembedding.device, method)
     unembedding = prepare_basis(projected.unembedding, method=method)  # once for every layer and convention
-    embedding = prepare_basis(projected.embedding, method=method) if projected.keys else None
+    embedding = None
+    if projected.keys:  # tied weights: the same tensor, prepared once
+        same = _same_tensor(projected.embedding, projected.unembedding)
+        embedding = unembedding if same else prepare_basis(projected.embedding, method=method)
     value_parts, key_parts, stats = [], [], ProjectionStats(method)
     for layer in layers:
         for parts, basis, label_vectors in ((value_parts, unembedding, projected.values),
@@ -142,6 +145,11 @@ def projection_tables(model: Model, layers: list[int], config, *, bar=None, proj
     vocab = pa.array(model.vocab_strings, pa.string())
     return ProjectionTables(_table(value_parts, "convention", vocab), _table(key_parts, "vector", vocab), stats,
                             time.perf_counter() - started)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
 
 
 def _rows(layer: int, projection: Projection, label: str) -> dict:

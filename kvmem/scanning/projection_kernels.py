@@ -19,10 +19,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["screen_select", "use_threads"]
+__all__ = ["screen_select", "scratch", "use_threads"]
 
 _WIDTH = 32  # tokens per chunk (at most)
-_GROUP = 8  # rows per parallel task (one set of row buffers each)
 
 
 def use_threads(count: int) -> None:
@@ -32,52 +31,57 @@ def use_threads(count: int) -> None:
         numba.set_num_threads(count)
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def screen_select(bits, screen, vectors, columns, norms, error_norms, x, y, beta, tau, n, cap, top_ids, top_scores,
-                  bottom_ids, bottom_scores, candidates):  # pragma: no cover - compiled
-    """The screen S [rows, vocab]: bits, uint16 (bfloat16 S), or (where bits has no rows) screen, float32.
-    vectors: float32 [rows, d]; columns: float32
-    [vocab, d]; norms, error_norms: float32 [vocab], upper bounds of ||b_t|| and ||b_t - bf16(b_t)||;
-    x, y, tau: float32 [rows] (tau < 0: rescore the row in full); beta: float32. The bound is
-    eps[r, t] = x[r] * norms[t] + y[r] * error_norms[t] + beta * |S[r, t]| + tau[r].
-    Outputs: [rows, n] ids (int64) and scores (float32); candidates: int64 [rows], the tokens rescored
-    on both sides, or -1 where the row was rescored in full."""
-    rows, d = vectors.shape
-    vocab = columns.shape[0]
-    low = bits.shape[0] > 0
+def scratch(groups: int, vocab: int, n: int, cap: int) -> tuple[np.ndarray, ...]:
+    """Row buffers for ``groups`` parallel tasks, made once per projection (made per task in the kernel,
+    the widened row alone, 4 bytes a token, was an mmap and its page faults every few rows): wide
+    uint32 [groups, vocab], chunk extremes float32 [groups, 4, chunks], candidate ids int64 [groups,
+    cap] and scores float32 [groups, cap]."""
     chunks = min(vocab, max((vocab + _WIDTH - 1) // _WIDTH, 2 * n))  # at least n chunks (n <= vocab)
-    for g in numba.prange((rows + _GROUP - 1) // _GROUP):
-        wide = np.empty(vocab, np.uint32)
-        values = wide.view(np.float32)  # [vocab] S of one row, float32
-        extremes = np.empty((4, chunks), np.float32)  # per chunk: max lower, max upper, min lower, min upper
-        ids = np.empty(cap, np.int64)
-        scores = np.empty(cap, np.float32)
-        no_bits = np.empty(0, np.uint16)
-        for r in range(g * _GROUP, min(rows, (g + 1) * _GROUP)):
+    return (np.empty((groups, vocab), np.uint32), np.empty((groups, 4, chunks), np.float32),
+            np.empty((groups, cap), np.int64), np.empty((groups, cap), np.float32))
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def screen_select(bits, screen, vectors, columns, norms, error_norms, x, y, beta, tau, n, top_ids, top_scores,
+                  bottom_ids, bottom_scores, candidates, wide, extremes, ids, scores):  # pragma: no cover - compiled
+    """The screen S [rows, vocab]: bits, uint16 (bfloat16 S), or (where bits has no rows) screen, float32.
+    vectors: float32 [rows, d]; columns: float32 [vocab, d]; norms, error_norms: float32 [vocab], upper
+    bounds of ||b_t|| and ||b_t - bf16(b_t)||; x, y, tau: float32 [rows] (tau < 0: rescore the row in
+    full); beta: float32. The bound is eps[r, t] = x[r] * norms[t] + y[r] * error_norms[t] + beta *
+    |S[r, t]| + tau[r]. Outputs: [rows, n] ids (int64) and scores (float32); candidates: int64 [rows],
+    the tokens rescored on both sides, or -1 where the row was rescored in full. wide, extremes, ids,
+    scores: :func:`scratch` (its groups: the parallel tasks, each a contiguous range of rows)."""
+    rows = vectors.shape[0]
+    groups = wide.shape[0]
+    low = bits.shape[0] > 0
+    per_group = (rows + groups - 1) // groups
+    no_bits = np.empty(0, np.uint16)
+    for g in numba.prange(groups):
+        values = wide[g].view(np.float32)  # [vocab] S of one row, float32
+        for r in range(g * per_group, min(rows, (g + 1) * per_group)):
             count = -1
             if tau[r] >= 0:
-                if low:
-                    _chunk_extremes(bits[r], wide, values, norms, error_norms, x[r], y[r], beta, tau[r], extremes)
-                else:
+                source = bits[r] if low else no_bits
+                if not low:
                     values[:] = screen[r]
-                    _chunk_extremes(no_bits, wide, values, norms, error_norms, x[r], y[r], beta, tau[r], extremes)
+                _chunk_extremes(source, wide[g], values, norms, error_norms, x[r], y[r], beta, tau[r], extremes[g])
                 count = 0
                 for largest in (True, False):
-                    bound = _nth_bound(extremes, n, largest)
+                    bound = _nth_bound(extremes[g], n, largest)
                     if bound != bound:  # n > chunks: no first cut
                         count = -1
                         break
-                    found = _collect(values, norms, error_norms, x[r], y[r], beta, tau[r], extremes, bound, largest,
-                                     ids)
-                    if found > cap:
+                    found = _collect(values, norms, error_norms, x[r], y[r], beta, tau[r], extremes[g], bound,
+                                     largest, ids[g])
+                    if found > ids.shape[1]:
                         count = -1
                         break
                     count += found
-                    _rescore(vectors[r], columns, ids, found, scores)
+                    _rescore(vectors[r], columns, ids[g], found, scores[g])
                     if largest:
-                        _order(ids, scores, found, n, True, top_ids[r], top_scores[r])
+                        _order(ids[g], scores[g], found, n, True, top_ids[r], top_scores[r])
                     else:
-                        _order(ids, scores, found, n, False, bottom_ids[r], bottom_scores[r])
+                        _order(ids[g], scores[g], found, n, False, bottom_ids[r], bottom_scores[r])
             if count < 0:
                 _full_row(vectors[r], columns, n, top_ids[r], top_scores[r], bottom_ids[r], bottom_scores[r])
             candidates[r] = count

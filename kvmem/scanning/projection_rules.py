@@ -136,7 +136,11 @@ def prepare_basis(basis: Tensor, *, method: str) -> Basis:
     if method != "bf16-screen":
         return Basis(method, matrix, columns, norms, max_norm)
     low = columns.bfloat16()  # [vocab, d]
-    error_norms, max_error = _norms(columns - low.float())
+    step = 4096  # columns at a time: their rounding errors are never all alive at once
+    errors = torch.cat([torch.linalg.vector_norm(columns[i:i + step] - low[i:i + step].float(), dim=1,
+                                                 dtype=torch.float64) for i in range(0, columns.shape[0], step)])
+    error_norms = _up(errors)
+    max_error = float(error_norms.max()) if error_norms.numel() else 0.0
     return Basis(method, matrix, columns, norms, max_norm, low, error_norms, max_error)
 
 

@@ -148,7 +148,7 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
     columns = basis.columns.numpy()
     norms = basis.norms.numpy()
     error_norms = basis.error_norms.numpy() if low else norms
-    cap = _cap(n, basis.vocab)
+    buffers = kernels.scratch(4 * torch.get_num_threads(), basis.vocab, n, _cap(n, basis.vocab))
     no_bits, no_screen = np.empty((0, 0), np.uint16), np.empty((0, 0), np.float32)
     precise = keeps_fp32_inputs(torch.device("cpu"))
     for start in range(0, rows, block):
@@ -164,8 +164,8 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
             x, y, beta, tau = screen_bound(a, basis, precise=precise)
             bits, values = no_bits, screen.numpy()
         kernels.screen_select(bits, values, a.numpy(), columns, norms, error_norms, x.numpy(), y.numpy(),
-                              np.float32(beta), tau.numpy(), n, cap, top_ids[start:stop], top_scores[start:stop],
-                              bottom_ids[start:stop], bottom_scores[start:stop], candidates[start:stop])
+                              np.float32(beta), tau.numpy(), n, top_ids[start:stop], top_scores[start:stop],
+                              bottom_ids[start:stop], bottom_scores[start:stop], candidates[start:stop], *buffers)
         del screen
     full = candidates < 0
     stats = ProjectionStats(basis.method, rows, int(candidates[~full].sum()), int(full.sum()))
