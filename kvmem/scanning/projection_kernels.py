@@ -2,8 +2,8 @@
 the tie rule and the error bound are in :mod:`kvmem.scanning.projection_rules`, the wrapper in
 :mod:`kvmem.scanning.projection_screen`.
 
-Per row of a block: take the screen scores S [vocab] (bfloat16 ones widened to float32: their bits
-shifted up by 16), bound every exact score from below (S - eps) and above (S + eps), find the n-th largest lower
+Per row of a block: read the screen scores S [vocab] from their bits (a bfloat16's shifted up by 16
+and cast: no widened copy), bound every exact score from below (S - eps) and above (S + eps), find the n-th largest lower
 bound L and the n-th smallest upper bound U, keep as candidates the tokens with S + eps >= L (top)
 and S - eps <= U (bottom), rescore those exactly and order them. Tokens are grouped in strided
 chunks (chunk k holds tokens k, k + K, k + 2K, ...; K = ceil(vocab / 64), at least 2n), so one vectorised pass
@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 __all__ = ["screen_select", "scratch", "use_threads"]
 
@@ -32,46 +35,55 @@ def use_threads(count: int) -> None:
 
 
 def scratch(groups: int, vocab: int, n: int, cap: int) -> tuple[np.ndarray, ...]:
-    """Row buffers for ``groups`` parallel tasks, made once per projection (made per task in the kernel,
-    the widened row alone, 4 bytes a token, was an mmap and its page faults every few rows): wide
-    uint32 [groups, vocab], chunk extremes float32 [groups, 4, chunks], candidate ids int64 [groups,
-    cap] and scores float32 [groups, cap]."""
+    """Buffers for ``groups`` parallel tasks, made once per projection (made per task in the kernel,
+    they cost page faults every few rows): chunk extremes float32 [groups, 4, chunks], candidate ids
+    int64 [groups, cap] and scores float32 [groups, cap]."""
     chunks = min(vocab, max((vocab + _WIDTH - 1) // _WIDTH, 2 * n))  # at least n chunks (n <= vocab)
-    return (np.empty((groups, vocab), np.uint32), np.empty((groups, 4, chunks), np.float32),
-            np.empty((groups, cap), np.int64), np.empty((groups, cap), np.float32))
+    return np.empty((groups, 4, chunks), np.float32), np.empty((groups, cap), np.int64), np.empty((groups, cap),
+                                                                                                  np.float32)
+
+
+@intrinsic
+def _as_float32(typingctx, bits):  # pragma: no cover - compiled
+    """The float32 whose bits are ``bits`` (uint32): a bit cast, which vectorises."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@numba.njit(inline="always")
+def _score(row, t, shift):  # pragma: no cover - compiled
+    """S[t] of a row of screen bits: bfloat16 (uint16, shift 16) or float32 (uint32, shift 0)."""
+    return _as_float32(np.uint32(row[t]) << np.uint32(shift))
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def screen_select(bits, screen, vectors, columns, norms, error_norms, x, y, beta, tau, n, top_ids, top_scores,
-                  bottom_ids, bottom_scores, candidates, wide, extremes, ids, scores):  # pragma: no cover - compiled
-    """The screen S [rows, vocab]: bits, uint16 (bfloat16 S), or (where bits has no rows) screen, float32.
+def screen_select(bits, shift, vectors, columns, norms, error_norms, x, y, beta, tau, n, top_ids, top_scores,
+                  bottom_ids, bottom_scores, candidates, extremes, ids, scores):  # pragma: no cover - compiled
+    """bits: the screen S [rows, vocab] as bits, uint16 (bfloat16, shift 16) or uint32 (float32, shift 0).
     vectors: float32 [rows, d]; columns: float32 [vocab, d]; norms, error_norms: float32 [vocab], upper
     bounds of ||b_t|| and ||b_t - bf16(b_t)||; x, y, tau: float32 [rows] (tau < 0: rescore the row in
     full); beta: float32. The bound is eps[r, t] = x[r] * norms[t] + y[r] * error_norms[t] + beta *
     |S[r, t]| + tau[r]. Outputs: [rows, n] ids (int64) and scores (float32); candidates: int64 [rows],
-    the tokens rescored on both sides, or -1 where the row was rescored in full. wide, extremes, ids,
-    scores: :func:`scratch` (its groups: the parallel tasks, each a contiguous range of rows)."""
+    the tokens rescored on both sides, or -1 where the row was rescored in full. extremes, ids, scores:
+    :func:`scratch` (its groups: the parallel tasks, each a contiguous range of rows)."""
     rows = vectors.shape[0]
-    groups = wide.shape[0]
-    low = bits.shape[0] > 0
+    groups = extremes.shape[0]
     per_group = (rows + groups - 1) // groups
-    no_bits = np.empty(0, np.uint16)
     for g in numba.prange(groups):
-        values = wide[g].view(np.float32)  # [vocab] S of one row, float32
         for r in range(g * per_group, min(rows, (g + 1) * per_group)):
             count = -1
             if tau[r] >= 0:
-                source = bits[r] if low else no_bits
-                if not low:
-                    values[:] = screen[r]
-                _chunk_extremes(source, wide[g], values, norms, error_norms, x[r], y[r], beta, tau[r], extremes[g])
+                row = bits[r]
+                _chunk_extremes(row, shift, norms, error_norms, x[r], y[r], beta, tau[r], extremes[g])
                 count = 0
                 for largest in (True, False):
                     bound = _nth_bound(extremes[g], n, largest)
                     if bound != bound:  # n > chunks: no first cut
                         count = -1
                         break
-                    found = _collect(values, norms, error_norms, x[r], y[r], beta, tau[r], extremes[g], bound,
+                    found = _collect(row, shift, norms, error_norms, x[r], y[r], beta, tau[r], extremes[g], bound,
                                      largest, ids[g])
                     if found > ids.shape[1]:
                         count = -1
@@ -88,29 +100,24 @@ def screen_select(bits, screen, vectors, columns, norms, error_norms, x, y, beta
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
-def _chunk_extremes(source, wide, values, norms, error_norms, x, y, beta, tau, extremes):  # pragma: no cover
+def _chunk_extremes(row, shift, norms, error_norms, x, y, beta, tau, extremes):  # pragma: no cover - compiled
     """Per strided chunk: the largest and smallest lower bound S - eps and upper bound S + eps
-    (elementwise over the chunks, so it vectorises). ``source``: the row's bfloat16 bits, widened
-    into ``wide`` (``values`` is its float32 view) on the way; empty where ``values`` holds S already."""
-    vocab = values.shape[0]
+    (elementwise over the chunks, so it vectorises)."""
+    vocab = row.shape[0]
     chunks = extremes.shape[1]
-    widen = source.shape[0] > 0
     low_max, high_max, low_min, high_min = extremes[0], extremes[1], extremes[2], extremes[3]
     low_max[:] = -np.inf
     high_max[:] = -np.inf
     low_min[:] = np.inf
     high_min[:] = np.inf
-    if widen:
-        for t in range(vocab):
-            wide[t] = np.uint32(source[t]) << 16
     for j in range((vocab + chunks - 1) // chunks):
         start = j * chunks
         width = min(chunks, vocab - start)
-        s_row = values[start:start + width]
+        b_row = row[start:start + width]
         n_row = norms[start:start + width]
         m_row = error_norms[start:start + width]
         for k in range(width):
-            s = s_row[k]
+            s = _score(b_row, k, shift)
             e = x * n_row[k] + y * m_row[k] + beta * abs(s) + tau
             lo = s - e
             hi = s + e
@@ -143,10 +150,10 @@ def _nth_bound(extremes, n, largest):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
-def _collect(values, norms, error_norms, x, y, beta, tau, extremes, bound, largest, ids):  # pragma: no cover
+def _collect(row, shift, norms, error_norms, x, y, beta, tau, extremes, bound, largest, ids):  # pragma: no cover
     """Token ids whose upper bound reaches ``bound`` (largest) or whose lower bound is at most ``bound``
     (in chunk order, not ascending); past ``len(ids)`` it stops and returns len(ids) + 1."""
-    vocab = values.shape[0]
+    vocab = row.shape[0]
     chunks = extremes.shape[1]
     cap = ids.shape[0]
     side = extremes[1] if largest else extremes[2]
@@ -155,7 +162,7 @@ def _collect(values, norms, error_norms, x, y, beta, tau, extremes, bound, large
         if not ((side[k] >= bound) if largest else (side[k] <= bound)):
             continue
         for t in range(k, vocab, chunks):
-            s = values[t]
+            s = _score(row, t, shift)
             e = x * norms[t] + y * error_norms[t] + beta * abs(s) + tau
             if ((s + e) >= bound) if largest else ((s - e) <= bound):
                 if found == cap:

@@ -76,8 +76,8 @@ def _kernels():
         try:
             from kvmem.scanning import projection_kernels
 
-            tiny = prepare_basis(torch.eye(4), method="fp32-screen")
-            _screened(projection_kernels, torch.ones(2, 4), tiny, 1, 2)  # compiles or loads every kernel
+            for method in CPU_METHODS:  # compiles or loads the kernel for both screens (bfloat16 and float32 bits)
+                _screened(projection_kernels, torch.ones(2, 4), prepare_basis(torch.eye(4), method=method), 1, 2)
             _NUMBA.append(projection_kernels)
         except Exception as error:  # numba missing, or present but unusable here (e.g. no writable cache)
             warnings.warn(f"kvmem: the compiled projection kernels are unavailable ({type(error).__name__}: {error}); "
@@ -149,7 +149,6 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
     norms = basis.norms.numpy()
     error_norms = basis.error_norms.numpy() if low else norms
     buffers = kernels.scratch(4 * torch.get_num_threads(), basis.vocab, n, _cap(n, basis.vocab))
-    no_bits, no_screen = np.empty((0, 0), np.uint16), np.empty((0, 0), np.float32)
     precise = keeps_fp32_inputs(torch.device("cpu"))
     for start in range(0, rows, block):
         stop = min(rows, start + block)
@@ -158,12 +157,12 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
             a_low = a.bfloat16()
             screen = a_low @ basis.low.T  # [block, vocab] bfloat16
             x, y, beta, tau = screen_bound(a, basis, low=a_low)
-            bits, values = screen.view(torch.int16).numpy().view(np.uint16), no_screen
+            bits, shift = screen.view(torch.int16).numpy().view(np.uint16), 16
         else:
             screen = a @ basis.matrix  # [block, vocab] float32
             x, y, beta, tau = screen_bound(a, basis, precise=precise)
-            bits, values = no_bits, screen.numpy()
-        kernels.screen_select(bits, values, a.numpy(), columns, norms, error_norms, x.numpy(), y.numpy(),
+            bits, shift = screen.view(torch.int32).numpy().view(np.uint32), 0
+        kernels.screen_select(bits, shift, a.numpy(), columns, norms, error_norms, x.numpy(), y.numpy(),
                               np.float32(beta), tau.numpy(), n, top_ids[start:stop], top_scores[start:stop],
                               bottom_ids[start:stop], bottom_scores[start:stop], candidates[start:stop], *buffers)
         del screen
