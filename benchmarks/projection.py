@@ -25,7 +25,7 @@ from common import Timer, machine, peak_rss_mb
 import kvmem
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.projection import projected_vectors, projection_tables
-from kvmem.scanning.projection_screen import BLOCK, prepare_basis, project_rows, select_method
+from kvmem.scanning.projection_screen import BLOCK, bf16_units, prepare_basis, project_rows, select_method
 
 
 def cpu_model() -> str:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args.blocks = [int(b) for b in args.blocks.split(",")] if args.blocks else [BLOCK[select_method("cpu",
                                                                                                   args.method)]]
     model = kvmem.load_model(args.model)
-    result = {"model": args.model, "cpu": cpu_model(), "machine": machine(),
+    result = {"model": args.model, "cpu": cpu_model(), "bf16_units": bf16_units(), "machine": machine(),
               "load_average": [round(x, 2) for x in os.getloadavg()]}
     if not args.skip_blocks:
         result.update(same_blocks(model, args))

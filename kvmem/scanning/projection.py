@@ -6,8 +6,9 @@ most ``block`` rows × vocab are alive at once. Vectors and bases are projected 
 whatever dtype the model runs in, by :func:`~kvmem.scanning.projection_screen.project_rows`: the
 top and bottom n exactly (scores: float64 sums of the float32 products rounded to float32; ties by
 token id), screened by a bfloat16 GEMM with a proven error bound on a CPU with bfloat16 units
-(else a float32 screen), with the candidates the bound cannot exclude rescored exactly (see
-:mod:`kvmem.scanning.projection_screen`; ``KVMEM_PROJECTION`` picks a method). Each basis is
+(else a float32 screen), with the candidates the bound cannot exclude rescored exactly (the scores,
+the tie rule and the bound with its proof: :mod:`kvmem.scanning.projection_rules`; the methods and
+``KVMEM_PROJECTION``, which picks one: :mod:`kvmem.scanning.projection_screen`). Each basis is
 prepared once per table (its bfloat16 copy and column norms), not once per layer.
 
 The tables are written once under ``$KVMEM_CACHE/projections/`` and linked into every later atlas,
