@@ -33,7 +33,14 @@ def _compression(schema: pa.Schema) -> dict[str, str]:
             return floats(kind.value_type)
         return pa.types.is_floating(kind)
 
-    return {field.name: "none" if floats(field.type) else "zstd" for field in schema}
+    codecs = {}
+    for field in schema:
+        codec = "none" if floats(field.type) else "zstd"
+        codecs[field.name] = codec
+        if pa.types.is_list(field.type) or pa.types.is_large_list(field.type) or \
+                pa.types.is_fixed_size_list(field.type):
+            codecs[f"{field.name}.list.element"] = codec  # the writer names a list's values by their leaf path
+    return codecs
 
 
 def write_parquet(path: Path, table: pa.Table) -> None:
