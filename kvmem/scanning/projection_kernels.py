@@ -3,13 +3,13 @@ the tie rule and the error bound are in :mod:`kvmem.scanning.projection_rules`, 
 :mod:`kvmem.scanning.projection_screen`.
 
 Per row of a block: read the screen scores S [vocab] from their bits (a bfloat16's shifted up by 16
-and cast: no widened copy), bound every exact score from below (S - eps) and above (S + eps), find the n-th largest lower
-bound L and the n-th smallest upper bound U, keep as candidates the tokens with S + eps >= L (top)
-and S - eps <= U (bottom), rescore those exactly and order them. Tokens are grouped in strided
-chunks (chunk k holds tokens k, k + K, k + 2K, ...; K = ceil(vocab / 64), at least 2n), so one vectorised pass
-gives every chunk's extremes of the two bounds, and the scalar work is confined to the few chunks
-that can hold a candidate. A row with more than ``cap`` candidates on a side (near ties everywhere,
-e.g. a zero vector), or whose scores could overflow, is rescored in full.
+and cast: no widened copy), bound every exact score from below (S - eps) and above (S + eps), find
+the n-th largest lower bound L and the n-th smallest upper bound U, keep as candidates the tokens
+with S + eps >= L (top) and S - eps <= U (bottom), rescore those exactly and order them. Tokens are
+grouped in strided chunks (chunk k holds tokens k, k + K, k + 2K, ...; K = ceil(vocab / 32), at
+least 2n), so one vectorised pass gives every chunk's extremes of the two bounds, and the scalar work
+is confined to the few chunks that can hold a candidate. A row with more than ``cap`` candidates on
+a side (near ties everywhere, e.g. a zero vector), or whose scores could overflow, is rescored in full.
 
 Module-level functions with ``cache=True``: numba loads them from its disk cache.
 """
