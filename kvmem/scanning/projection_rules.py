@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -195,7 +196,11 @@ def _up(values: Tensor) -> Tensor:
 
 
 def check_finite(values: Tensor, what: str) -> None:
-    if not bool(torch.isfinite(values).all()):
-        bad = int((~torch.isfinite(values)).any(dim=-1).sum())
+    """One clear error for NaN or inf in ``values`` [rows, ...] (on a CPU by numpy: one thread, no
+    barrier for torch's thread pool to cross)."""
+    plain = values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64)
+    finite = np.isfinite(values.detach().numpy()) if plain else torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = int((~finite).reshape(values.shape[0], -1).any(1).sum())
         raise KvmemError(f"the projection's {what} hold NaN or inf ({bad} rows of {values.shape[0]}); "
                          f"the exact top and bottom tokens need finite weights")

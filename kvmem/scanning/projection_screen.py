@@ -149,21 +149,25 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
     norms = basis.norms.numpy()
     error_norms = basis.error_norms.numpy() if low else norms
     buffers = kernels.scratch(4 * torch.get_num_threads(), basis.vocab, n, _cap(n, basis.vocab))
-    precise = keeps_fp32_inputs(torch.device("cpu"))
+    vectors = vectors.float().cpu().contiguous()  # [rows, d]
+    # the bound's row terms for every row at once: small torch ops pay a thread barrier each
+    if low:
+        lowered = vectors.bfloat16()
+        x, y, beta, tau = screen_bound(vectors, basis, low=lowered)
+    else:
+        lowered = vectors
+        x, y, beta, tau = screen_bound(vectors, basis, precise=keeps_fp32_inputs(torch.device("cpu")))
+    a, x, y, tau = vectors.numpy(), x.numpy(), y.numpy(), tau.numpy()
     for start in range(0, rows, block):
         stop = min(rows, start + block)
-        a = vectors[start:stop].float().cpu().contiguous()  # [block, d]
         if low:
-            a_low = a.bfloat16()
-            screen = a_low @ basis.low.T  # [block, vocab] bfloat16
-            x, y, beta, tau = screen_bound(a, basis, low=a_low)
+            screen = lowered[start:stop] @ basis.low.T  # [block, vocab] bfloat16
             bits, shift = screen.view(torch.int16).numpy().view(np.uint16), 16
         else:
-            screen = a @ basis.matrix  # [block, vocab] float32
-            x, y, beta, tau = screen_bound(a, basis, precise=precise)
+            screen = lowered[start:stop] @ basis.matrix  # [block, vocab] float32
             bits, shift = screen.view(torch.int32).numpy().view(np.uint32), 0
-        kernels.screen_select(bits, shift, a.numpy(), columns, norms, error_norms, x.numpy(), y.numpy(),
-                              np.float32(beta), tau.numpy(), n, top_ids[start:stop], top_scores[start:stop],
+        kernels.screen_select(bits, shift, a[start:stop], columns, norms, error_norms, x[start:stop], y[start:stop],
+                              np.float32(beta), tau[start:stop], n, top_ids[start:stop], top_scores[start:stop],
                               bottom_ids[start:stop], bottom_scores[start:stop], candidates[start:stop], *buffers)
         del screen
     full = candidates < 0
