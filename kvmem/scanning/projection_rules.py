@@ -152,11 +152,10 @@ def screen_bound(vectors: Tensor, basis: Basis, *, low: Tensor | None = None, pr
     overflow (rescored in full). ``low``: the bfloat16 vectors of a bf16 screen (else a float32
     screen, with rounded inputs unless ``precise``)."""
     d = vectors.shape[1]
-    a = vectors.double()
-    length = torch.linalg.vector_norm(a, dim=1)  # [rows]
+    length = _row_norms(vectors)  # [rows] float64
     g = 2 * d * 2.0**-24 / (1 - d * 2.0**-24)
     if low is not None:
-        error = torch.linalg.vector_norm(a - low.double(), dim=1)
+        error = _row_norms(vectors - low.float())  # exact in float32: the bits bfloat16 dropped
         unit = 2.0**-9
         x = error + g * (length + error) + 2.0**-23 * length
         y = (length + error) * (1 + g)
@@ -171,6 +170,15 @@ def screen_bound(vectors: Tensor, basis: Basis, *, low: Tensor | None = None, pr
     tau = torch.where(reach < 2.0**120, tau, torch.full_like(tau, -1 / _SAFETY))
     beta = _SAFETY * unit / (1 - unit)
     return *(_up(_SAFETY * t) for t in (x, y)), beta * _UP, _up(_SAFETY * tau)
+
+
+def _row_norms(rows: Tensor) -> Tensor:
+    """float64 [rows]: each row's 2-norm of float32 [rows, d], summed in float64 (numpy on a CPU: one
+    thread, no barrier for torch's thread pool to cross)."""
+    if rows.device.type != "cpu":
+        return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    wide = rows.detach().numpy().astype(np.float64)
+    return torch.from_numpy(np.sqrt(np.einsum("ij,ij->i", wide, wide)))
 
 
 def keeps_fp32_inputs(device: torch.device) -> bool:
