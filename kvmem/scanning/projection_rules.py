@@ -39,7 +39,7 @@ for the bottom. The candidates are rescored exactly and ordered by the rule abov
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -107,7 +107,8 @@ class Basis:
     matrix: [d_model, vocab] float32 (the float32 GEMMs); columns: [vocab, d_model] float32, contiguous
     (the exact rescoring); norms: [vocab] float32, upper bounds of the columns' 2-norms; low: [vocab,
     d_model] bfloat16 and error_norms: [vocab] float32 upper bounds of ||b_t - bf16(b_t)|| (bf16-screen
-    only); method: the method it is prepared for (its tensors live where that method computes)."""
+    only); method: the method it is prepared for (its tensors live where that method computes); workspace:
+    the numba screens' buffer (:meth:`screen_buffer`)."""
 
     method: str
     matrix: Tensor
@@ -117,6 +118,15 @@ class Basis:
     low: Tensor | None = None
     error_norms: Tensor | None = None
     max_error_norm: float = 0.0
+    workspace: dict = field(default_factory=dict, repr=False)  # the screen's buffer, reused by every call
+
+    def screen_buffer(self, rows: int, dtype: torch.dtype) -> Tensor:
+        """A [rows, vocab] buffer for the screen, made once and reused (a fresh 25 MB block on every call
+        costs its page faults again; one Basis is for one thread at a time)."""
+        buffer = self.workspace.get("screen")
+        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
+            buffer = self.workspace["screen"] = torch.empty(rows, self.vocab, dtype=dtype)
+        return buffer[:rows]
 
     @property
     def vocab(self) -> int:

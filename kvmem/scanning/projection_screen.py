@@ -160,16 +160,15 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
     a, x, y, tau = vectors.numpy(), x.numpy(), y.numpy(), tau.numpy()
     for start in range(0, rows, block):
         stop = min(rows, start + block)
+        screen = basis.screen_buffer(stop - start, lowered.dtype)  # [block, vocab]
+        torch.mm(lowered[start:stop], basis.low.T if low else basis.matrix, out=screen)
         if low:
-            screen = lowered[start:stop] @ basis.low.T  # [block, vocab] bfloat16
             bits, shift = screen.view(torch.int16).numpy().view(np.uint16), 16
         else:
-            screen = lowered[start:stop] @ basis.matrix  # [block, vocab] float32
             bits, shift = screen.view(torch.int32).numpy().view(np.uint32), 0
         kernels.screen_select(bits, shift, a[start:stop], columns, norms, error_norms, x[start:stop], y[start:stop],
                               np.float32(beta), tau[start:stop], n, top_ids[start:stop], top_scores[start:stop],
                               bottom_ids[start:stop], bottom_scores[start:stop], candidates[start:stop], *buffers)
-        del screen
     full = candidates < 0
     stats = ProjectionStats(basis.method, rows, int(candidates[~full].sum()), int(full.sum()))
     return Projection(*(torch.from_numpy(t) for t in (top_ids, top_scores, bottom_ids, bottom_scores)), stats)
