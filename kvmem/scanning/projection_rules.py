@@ -39,8 +39,9 @@ for the bottom. The candidates are rescored exactly and ordered by the rule abov
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -106,7 +107,8 @@ class Basis:
     matrix: [d_model, vocab] float32 (the float32 GEMMs); columns: [vocab, d_model] float32, contiguous
     (the exact rescoring); norms: [vocab] float32, upper bounds of the columns' 2-norms; low: [vocab,
     d_model] bfloat16 and error_norms: [vocab] float32 upper bounds of ||b_t - bf16(b_t)|| (bf16-screen
-    only); method: the method it is prepared for (its tensors live where that method computes)."""
+    only); method: the method it is prepared for (its tensors live where that method computes); workspace:
+    the numba screens' buffer (:meth:`screen_buffer`)."""
 
     method: str
     matrix: Tensor
@@ -116,6 +118,15 @@ class Basis:
     low: Tensor | None = None
     error_norms: Tensor | None = None
     max_error_norm: float = 0.0
+    workspace: dict = field(default_factory=dict, repr=False)  # the screen's buffer, reused by every call
+
+    def screen_buffer(self, rows: int, dtype: torch.dtype) -> Tensor:
+        """A [rows, vocab] buffer for the screen, made once and reused (a fresh 25 MB block on every call
+        costs its page faults again; one Basis is for one thread at a time)."""
+        buffer = self.workspace.get("screen")
+        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
+            buffer = self.workspace["screen"] = torch.empty(rows, self.vocab, dtype=dtype)
+        return buffer[:rows]
 
     @property
     def vocab(self) -> int:
@@ -151,11 +162,10 @@ def screen_bound(vectors: Tensor, basis: Basis, *, low: Tensor | None = None, pr
     overflow (rescored in full). ``low``: the bfloat16 vectors of a bf16 screen (else a float32
     screen, with rounded inputs unless ``precise``)."""
     d = vectors.shape[1]
-    a = vectors.double()
-    length = torch.linalg.vector_norm(a, dim=1)  # [rows]
+    length = _row_norms(vectors)  # [rows] float64
     g = 2 * d * 2.0**-24 / (1 - d * 2.0**-24)
     if low is not None:
-        error = torch.linalg.vector_norm(a - low.double(), dim=1)
+        error = _row_norms(vectors - low.float())  # exact in float32: the bits bfloat16 dropped
         unit = 2.0**-9
         x = error + g * (length + error) + 2.0**-23 * length
         y = (length + error) * (1 + g)
@@ -170,6 +180,15 @@ def screen_bound(vectors: Tensor, basis: Basis, *, low: Tensor | None = None, pr
     tau = torch.where(reach < 2.0**120, tau, torch.full_like(tau, -1 / _SAFETY))
     beta = _SAFETY * unit / (1 - unit)
     return *(_up(_SAFETY * t) for t in (x, y)), beta * _UP, _up(_SAFETY * tau)
+
+
+def _row_norms(rows: Tensor) -> Tensor:
+    """float64 [rows]: each row's 2-norm of float32 [rows, d], summed in float64 (numpy on a CPU: one
+    thread, no barrier for torch's thread pool to cross)."""
+    if rows.device.type != "cpu":
+        return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    wide = rows.detach().numpy().astype(np.float64)
+    return torch.from_numpy(np.sqrt(np.einsum("ij,ij->i", wide, wide)))
 
 
 def keeps_fp32_inputs(device: torch.device) -> bool:
@@ -195,7 +214,11 @@ def _up(values: Tensor) -> Tensor:
 
 
 def check_finite(values: Tensor, what: str) -> None:
-    if not bool(torch.isfinite(values).all()):
-        bad = int((~torch.isfinite(values)).any(dim=-1).sum())
+    """One clear error for NaN or inf in ``values`` [rows, ...] (on a CPU by numpy: one thread, no
+    barrier for torch's thread pool to cross)."""
+    plain = values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64)
+    finite = np.isfinite(values.detach().numpy()) if plain else torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = int((~finite).reshape(values.shape[0], -1).any(1).sum())
         raise KvmemError(f"the projection's {what} hold NaN or inf ({bad} rows of {values.shape[0]}); "
                          f"the exact top and bottom tokens need finite weights")

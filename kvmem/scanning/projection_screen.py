@@ -149,23 +149,26 @@ def _screened(kernels, vectors: Tensor, basis: Basis, n: int, block: int) -> Pro
     norms = basis.norms.numpy()
     error_norms = basis.error_norms.numpy() if low else norms
     buffers = kernels.scratch(4 * torch.get_num_threads(), basis.vocab, n, _cap(n, basis.vocab))
-    precise = keeps_fp32_inputs(torch.device("cpu"))
+    vectors = vectors.float().cpu().contiguous()  # [rows, d]
+    # the bound's row terms for every row at once: small torch ops pay a thread barrier each
+    if low:
+        lowered = vectors.bfloat16()
+        x, y, beta, tau = screen_bound(vectors, basis, low=lowered)
+    else:
+        lowered = vectors
+        x, y, beta, tau = screen_bound(vectors, basis, precise=keeps_fp32_inputs(torch.device("cpu")))
+    a, x, y, tau = vectors.numpy(), x.numpy(), y.numpy(), tau.numpy()
     for start in range(0, rows, block):
         stop = min(rows, start + block)
-        a = vectors[start:stop].float().cpu().contiguous()  # [block, d]
+        screen = basis.screen_buffer(stop - start, lowered.dtype)  # [block, vocab]
+        torch.mm(lowered[start:stop], basis.low.T if low else basis.matrix, out=screen)
         if low:
-            a_low = a.bfloat16()
-            screen = a_low @ basis.low.T  # [block, vocab] bfloat16
-            x, y, beta, tau = screen_bound(a, basis, low=a_low)
             bits, shift = screen.view(torch.int16).numpy().view(np.uint16), 16
         else:
-            screen = a @ basis.matrix  # [block, vocab] float32
-            x, y, beta, tau = screen_bound(a, basis, precise=precise)
             bits, shift = screen.view(torch.int32).numpy().view(np.uint32), 0
-        kernels.screen_select(bits, shift, a.numpy(), columns, norms, error_norms, x.numpy(), y.numpy(),
-                              np.float32(beta), tau.numpy(), n, top_ids[start:stop], top_scores[start:stop],
+        kernels.screen_select(bits, shift, a[start:stop], columns, norms, error_norms, x[start:stop], y[start:stop],
+                              np.float32(beta), tau[start:stop], n, top_ids[start:stop], top_scores[start:stop],
                               bottom_ids[start:stop], bottom_scores[start:stop], candidates[start:stop], *buffers)
-        del screen
     full = candidates < 0
     stats = ProjectionStats(basis.method, rows, int(candidates[~full].sum()), int(full.sum()))
     return Projection(*(torch.from_numpy(t) for t in (top_ids, top_scores, bottom_ids, bottom_scores)), stats)
