@@ -1,5 +1,6 @@
 """Write a directory so that readers see the old one or the complete new one, never half of it; read a
-parquet file that a writer may be replacing by rename; hold a lock on an output for one process."""
+parquet file that a writer may be replacing by rename; hold a lock on an output for one process,
+or wait for one on a shared cache entry."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from kvmem.errors import KvmemError
 
-__all__ = ["held_lock", "read_replaced_parquet", "staged_directory"]
+__all__ = ["held_lock", "read_replaced_parquet", "staged_directory", "waited_lock"]
 
 
 @contextmanager
@@ -62,14 +63,28 @@ def held_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
     ``what``: the thing the lock guards, for the message. The lock file holds the holder's pid and is
     removed on exit; a lock file whose holder died is taken over (the kernel drops a dead process's lock).
     """
+    with _flocked(Path(path), wait=False, what=what):
+        yield
+
+
+@contextmanager
+def waited_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive advisory lock on the file ``path`` for the block, waiting for any other holder.
+    For shared caches: the first process builds an entry while the others wait, then find it built.
+    Raises OSError where the lock file cannot be created (a read-only cache)."""
+    with _flocked(Path(path), wait=True, what=str(path)):
+        yield
+
+
+@contextmanager
+def _flocked(path: Path, *, wait: bool, what: str) -> Iterator[None]:
     import fcntl
 
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         handle = open(path, "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvmem.atomic import waited_lock
 from kvmem.errors import KvmemError
 
 __all__ = [
@@ -69,19 +70,22 @@ def _package_dir(module: str, install: str) -> Path:
 
 
 def _atomic_dir(target: Path, build) -> Path:
-    """Build a directory in a temporary sibling and rename it into place (no half-written cache)."""
+    """Build a directory in a temporary sibling and rename it into place (no half-written cache).
+    Processes that ask at once build it once: the others wait on a lock, then find it built."""
     if (target / "kvmem-cache.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(tmp)
-        if target.exists():  # a stale, incomplete copy
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with waited_lock(target.parent / f".{target.name}.lock"):
+        if (target / "kvmem-cache.json").exists():  # built by the process we waited for
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            build(tmp)
+            if target.exists():  # a stale, incomplete copy
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-import random
+import os
 
-import numpy as np
-import pytest
-import torch
+# Under pytest-xdist the workers share the machine's cores: each worker, and every process it starts
+# (inheriting these variables), gets its share of threads instead of all of them, so two workers on
+# two cores do not run four spinning OpenMP threads. Set before torch and numba are imported.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(_name, _share)
+
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # fixtures of the experiment tests (tests/test_experiments*.py)
 from experiment_fixtures import always_on, atlas, context_free, corpus_file  # noqa: F401

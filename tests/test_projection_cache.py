@@ -4,6 +4,8 @@ dtype; cached tables are linked into atlases, which stay self-contained."""
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 
 import pyarrow.parquet as pq
 import pytest
@@ -11,6 +13,7 @@ import torch
 from projection_oracle import top_bottom
 
 import kvmem
+from kvmem.atomic import waited_lock
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.projection_screen import ENV
@@ -106,3 +109,24 @@ def test_atlas_links_the_cached_files_and_survives_their_deletion(gpt2_model, ca
     for source in files["files"].values():
         os.remove(source)
     assert kvmem.open(atlas.path).values(1, 2).equals(before)
+
+
+def test_a_process_waiting_for_an_entry_reads_it_instead_of_computing_it(gpt2_model, tmp_path, monkeypatch):
+    """Two scans that need the same cache entry at once compute it once: the second waits on the entry's
+    lock (a real flock, held here), then finds the entry that the holder wrote and reads it."""
+    layers = list(range(gpt2_model.n_layers))
+    monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "a"))
+    computed = cached_projection_files(gpt2_model, layers, CONFIG)
+    entry = computed["files"]["values"].parent
+    monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "b"))
+    target = tmp_path / "b" / "projections" / entry.name
+    got = {}
+    with waited_lock(target.parent / f".{entry.name}.lock"):
+        waiter = threading.Thread(target=lambda: got.update(cached_projection_files(gpt2_model, layers, CONFIG)))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not target.exists()  # waiting on the lock, not computing
+        shutil.copytree(entry, target)  # what the holder of the lock would have written
+    waiter.join(timeout=60)
+    assert got["cached"] and got["files"]["values"] == target / "values.parquet"
+    assert tables(got)["values"].equals(tables(computed)["values"])

@@ -24,6 +24,7 @@ the tables, ``projection.json`` records the method that computed them (the atlas
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import tempfile
@@ -36,8 +37,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch import Tensor
 
+from kvmem.atomic import staged_directory, waited_lock
+from kvmem.builtin import cache_dir
 from kvmem.conventions import value_vectors
 from kvmem.models import Model
+from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection_screen import (
     EXACT_METHODS,
     Projection,
@@ -214,43 +218,59 @@ def _cache_key(model: Model, layers: list[int], config, projected: Projected, me
 def cached_projection_files(model: Model, layers: list[int], config, *, bar=None) -> dict:
     """{'files': {'values': path, 'keys': path}, 'cached': bool, 'method': str}: parquet files to link
     into an atlas, read from the per-model cache or computed (and cached) now; ``method``: the
-    projection method that computed them (recorded beside the cached tables)."""
-    from kvmem.atomic import staged_directory
-    from kvmem.builtin import cache_dir
-
+    projection method that computed them (recorded beside the cached tables). Processes that need the
+    same entry at once compute it once: the others wait on its lock, then read it."""
     projected = projected_vectors(model, layers, config)
     method = select_method(projected.unembedding.device)
     key = _cache_key(model, layers, config, projected, method)
-    names = ("values", "keys")
-    if key is not None:
-        directory = cache_dir() / "projections" / key
-        if all((directory / f"{name}.parquet").exists() for name in names):
-            if bar is not None:
-                bar.update(len(layers))
-            try:
-                recorded = json.loads((directory / _RECORD).read_text())["method"]
-            except (OSError, ValueError, KeyError):
-                recorded = "unknown"
-            return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": True,
-                    "method": recorded}
-    tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
-    if key is not None:
+    if key is None:
+        return _computed(model, layers, config, projected, method, bar=bar)
+    directory = cache_dir() / "projections" / key
+    if (found := _cached(directory, len(layers), bar)) is not None:
+        return found
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(waited_lock(directory.parent / f".{key}.lock"))
+        except OSError:  # a read-only cache: compute every time
+            return _computed(model, layers, config, projected, method, bar=bar)
+        if (found := _cached(directory, len(layers), bar)) is not None:  # computed while we waited
+            return found
+        tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
         try:
             with staged_directory(directory) as tmp:
                 _write(tmp, tables)
-            return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": False,
-                    "method": method}
-        except OSError:  # a read-only cache: compute every time
-            pass
+        except OSError:  # the cache cannot be written: the files go to a temporary directory
+            return _computed(model, layers, config, projected, method, tables=tables)
+        return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": method}
+
+
+_TABLES = ("values", "keys")
+
+
+def _cached(directory: Path, layers: int, bar) -> dict | None:
+    """The cache entry in ``directory`` if it is complete, else None."""
+    if not all((directory / f"{name}.parquet").exists() for name in _TABLES):
+        return None
+    if bar is not None:
+        bar.update(layers)
+    try:
+        recorded = json.loads((directory / _RECORD).read_text())["method"]
+    except (OSError, ValueError, KeyError):
+        recorded = "unknown"
+    return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": True, "method": recorded}
+
+
+def _computed(model: Model, layers: list[int], config, projected, method: str, *, bar=None, tables=None) -> dict:
+    """Projection files written to a fresh temporary directory (no cache)."""
+    if tables is None:
+        tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
     directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
     _write(directory, tables)
-    return {"files": {name: directory / f"{name}.parquet" for name in names}, "cached": False, "method": method}
+    return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": method}
 
 
 def _write(directory: Path, tables: ProjectionTables) -> None:
-    from kvmem.scanning.parquet import write_parquet
-
-    for name in ("values", "keys"):
+    for name in _TABLES:
         write_parquet(directory / f"{name}.parquet", getattr(tables, name))
     record = {**tables.stats.to_dict(), "seconds": round(tables.seconds, 2)}
     (directory / _RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
