@@ -34,7 +34,7 @@ __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "TABLES", "COLUMNS", "ROW_GROU
 #    the gate/up sign-quadrant counts; triggers gain gate_pre and up_pre; a unigrams table.
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
-ROW_GROUP_NEURONS = 64
+ROW_GROUP_NEURONS = 256  # a neuron's triggers read in 3 ms; 64 cost 40% more writing time for 1.7 ms
 TABLES = ("neurons", "triggers", "contexts", "values", "keys", "histograms", "samples", "unigrams")
 SAMPLE_KINDS = ("random", "bin")
 

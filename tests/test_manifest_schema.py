@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import SHORT_DOCS
@@ -96,4 +97,36 @@ def test_parquet_columns_are_compressed_as_documented(tmp_path):
     codecs = {group.column(i).path_in_schema: group.column(i).compression for i in range(group.num_columns)}
     assert codecs == {"layer": "ZSTD", "neuron": "ZSTD", "counts.list.element": "ZSTD",
                       "tokens.list.element": "ZSTD", "score": "UNCOMPRESSED", "acts.list.element": "UNCOMPRESSED"}
+    assert pq.read_table(tmp_path / "t.parquet").equals(table)
+
+
+def test_row_groups_hold_one_layers_neurons_with_their_statistics(tmp_path):
+    """write_parquet: a row group never spans a layer and holds at most ROW_GROUP_NEURONS neurons; layer and
+    neuron carry min/max statistics (the atlas finds a neuron's row group by them), other columns none;
+    strings are dictionary encoded, numbers are not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvmem.scanning.parquet import write_parquet
+    from kvmem.schema import ROW_GROUP_NEURONS
+
+    d_ff = 2 * ROW_GROUP_NEURONS + 5
+    layer = np.repeat(np.array([3, 7], np.int16), d_ff)
+    neuron = np.tile(np.arange(d_ff, dtype=np.int32), 2)
+    table = pa.table({"layer": layer, "neuron": neuron, "kind": pa.array(["top"] * len(layer)),
+                      "activation": np.arange(len(layer), dtype=np.float32)})
+    write_parquet(tmp_path / "t.parquet", table)
+    meta = pq.ParquetFile(tmp_path / "t.parquet").metadata
+    spans = []
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        columns = {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+        assert columns["layer"].statistics.min == columns["layer"].statistics.max
+        assert columns["neuron"].statistics.max - columns["neuron"].statistics.min < ROW_GROUP_NEURONS
+        assert columns["activation"].statistics is None and columns["kind"].statistics is None
+        assert "PLAIN_DICTIONARY" in columns["kind"].encodings or "RLE_DICTIONARY" in columns["kind"].encodings
+        assert not {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & set(columns["activation"].encodings)
+        spans.append((columns["layer"].statistics.min, columns["neuron"].statistics.min, group.num_rows))
+    r = ROW_GROUP_NEURONS
+    assert spans == [(3, 0, r), (3, r, r), (3, 2 * r, 5), (7, 0, r), (7, r, r), (7, 2 * r, 5)]
     assert pq.read_table(tmp_path / "t.parquet").equals(table)

@@ -15,6 +15,7 @@ from projection_oracle import top_bottom
 import kvmem
 from kvmem.atomic import waited_lock
 from kvmem.scanning.config import ScanConfig
+from kvmem.scanning import projection
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.projection_screen import ENV
 
@@ -130,3 +131,20 @@ def test_a_process_waiting_for_an_entry_reads_it_instead_of_computing_it(gpt2_mo
     waiter.join(timeout=60)
     assert got["cached"] and got["files"]["values"] == target / "values.parquet"
     assert tables(got)["values"].equals(tables(computed)["values"])
+
+
+def test_a_cached_entry_is_read_without_choosing_a_method(gpt2_model, cache, monkeypatch):
+    """Choosing a method loads the projection kernels (about a second from numba's disk cache); a scan whose
+    projections are cached needs none of them, so it never chooses."""
+    layers = list(range(gpt2_model.n_layers))
+    first = cached_projection_files(gpt2_model, layers, CONFIG)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("select_method called for a cached entry")
+
+    monkeypatch.setattr(projection, "select_method", refuse)
+    second = cached_projection_files(gpt2_model, layers, CONFIG)
+    assert not first["cached"] and second["cached"] and second["files"] == first["files"]
+    assert second["method"] == first["method"] != "unknown"
+    with pytest.raises(AssertionError, match="select_method called"):  # a missing entry does choose
+        cached_projection_files(gpt2_model, layers[:1], CONFIG)

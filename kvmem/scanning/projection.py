@@ -43,11 +43,11 @@ from kvmem.conventions import value_vectors
 from kvmem.models import Model
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection_screen import (
-    EXACT_METHODS,
     Projection,
     ProjectionStats,
     prepare_basis,
     project_rows,
+    score_rule,
     select_method,
 )
 
@@ -198,9 +198,10 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
     return pa.table([merged[name] for name in schema.names], schema=schema)
 
 
-def _cache_key(model: Model, layers: list[int], config, projected: Projected, method: str) -> str | None:
-    """None when the weights have no reliable fingerprint (then nothing is cached). The exact methods
-    give the same numbers to the bit, so they share one entry; fp32-topk has its own."""
+def _cache_key(model: Model, layers: list[int], config, projected: Projected, scores: str) -> str | None:
+    """None when the weights have no reliable fingerprint (then nothing is cached). ``scores``: see
+    :func:`~kvmem.scanning.projection_screen.score_rule`; the exact methods give the same numbers to the
+    bit, so they share one entry, and fp32-topk has its own."""
     if not model.fingerprint or model.fingerprint.endswith(("unknown", "None")):
         return None
     from kvmem.schema import arrow_schema
@@ -211,7 +212,7 @@ def _cache_key(model: Model, layers: list[int], config, projected: Projected, me
     key = {"cache": _CACHE_VERSION, "tables": tables, "fingerprint": model.fingerprint, "vocab": vocab,
            "content": projected_digest(projected), "device": str(model.device).split(":")[0], "layers": list(layers),
            "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections,
-           "scores": "exact" if method in EXACT_METHODS else method}
+           "scores": scores}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -221,10 +222,9 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
     projection method that computed them (recorded beside the cached tables). Processes that need the
     same entry at once compute it once: the others wait on its lock, then read it."""
     projected = projected_vectors(model, layers, config)
-    method = select_method(projected.unembedding.device)
-    key = _cache_key(model, layers, config, projected, method)
+    key = _cache_key(model, layers, config, projected, score_rule())
     if key is None:
-        return _computed(model, layers, config, projected, method, bar=bar)
+        return _computed(model, layers, config, projected, bar=bar)
     directory = cache_dir() / "projections" / key
     if (found := _cached(directory, len(layers), bar)) is not None:
         return found
@@ -232,15 +232,16 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
         try:
             stack.enter_context(waited_lock(directory.parent / f".{key}.lock"))
         except OSError:  # a read-only cache: compute every time
-            return _computed(model, layers, config, projected, method, bar=bar)
+            return _computed(model, layers, config, projected, bar=bar)
         if (found := _cached(directory, len(layers), bar)) is not None:  # computed while we waited
             return found
+        method = select_method(projected.unembedding.device)  # loads the kernels: only when computing
         tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
         try:
             with staged_directory(directory) as tmp:
                 _write(tmp, tables)
         except OSError:  # the cache cannot be written: the files go to a temporary directory
-            return _computed(model, layers, config, projected, method, tables=tables)
+            return _computed(model, layers, config, projected, tables=tables)
         return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": method}
 
 
@@ -260,13 +261,15 @@ def _cached(directory: Path, layers: int, bar) -> dict | None:
     return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": True, "method": recorded}
 
 
-def _computed(model: Model, layers: list[int], config, projected, method: str, *, bar=None, tables=None) -> dict:
-    """Projection files written to a fresh temporary directory (no cache)."""
+def _computed(model: Model, layers: list[int], config, projected, *, bar=None, tables=None) -> dict:
+    """Projection files written to a fresh temporary directory (no cache); ``tables`` if already computed."""
     if tables is None:
-        tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
+        tables = projection_tables(model, layers, config, bar=bar, projected=projected,
+                                   method=select_method(projected.unembedding.device))
     directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
     _write(directory, tables)
-    return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": method}
+    return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False,
+            "method": tables.stats.method}
 
 
 def _write(directory: Path, tables: ProjectionTables) -> None:

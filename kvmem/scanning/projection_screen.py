@@ -44,7 +44,7 @@ from kvmem.scanning.projection_rules import (
 )
 from kvmem.scanning.projection_torch import fp32_topk, torch_screen
 
-__all__ = ["Projection", "ProjectionStats", "Basis", "METHODS", "EXACT_METHODS", "ENV", "BLOCK", "select_method",
+__all__ = ["Projection", "ProjectionStats", "Basis", "METHODS", "EXACT_METHODS", "ENV", "BLOCK", "score_rule", "select_method",
            "prepare_basis", "project_rows", "bf16_units", "screen_bound"]
 
 ENV = "KVMEM_PROJECTION"  # environment variable naming a method
@@ -87,14 +87,28 @@ def _kernels():
     return _NUMBA[0]
 
 
-def select_method(device: str | torch.device = "cpu", name: str | None = None) -> str:
-    """The projection method for vectors on ``device``: ``name`` if given, else ``KVMEM_PROJECTION``,
-    else (``auto``) bf16-screen on a CPU with bfloat16 units, fp32-screen on other CPUs, torch-screen
-    on CUDA or where numba cannot load (see the module docstring)."""
+def _requested(name: str | None) -> str:
+    """The method asked for: ``name``, else ``KVMEM_PROJECTION``, else ``auto`` (checked, lower case)."""
     chosen = (name or os.environ.get(ENV) or "auto").lower()
     if chosen not in METHODS and chosen != "auto":
         source = "projection method" if name else ENV
         raise KvmemError(f"unknown {source} {chosen!r}; choose one of auto, {', '.join(METHODS)}")
+    return chosen
+
+
+def score_rule(name: str | None = None) -> str:
+    """What the scores of the method :func:`select_method` would choose are, known without loading a
+    kernel: ``exact`` for every exact method (``auto`` picks one on every device), else the method's
+    name. A projection cache is keyed by it, so a cached entry is read without loading any kernel."""
+    chosen = _requested(name)
+    return "exact" if chosen == "auto" or chosen in EXACT_METHODS else chosen
+
+
+def select_method(device: str | torch.device = "cpu", name: str | None = None) -> str:
+    """The projection method for vectors on ``device``: ``name`` if given, else ``KVMEM_PROJECTION``,
+    else (``auto``) bf16-screen on a CPU with bfloat16 units, fp32-screen on other CPUs, torch-screen
+    on CUDA or where numba cannot load (see the module docstring)."""
+    chosen = _requested(name)
     if chosen in CPU_METHODS and _kernels() is None:
         raise KvmemError(f"the projection method {chosen} needs numba, which cannot load here; "
                          f"use {ENV}=torch-screen")
