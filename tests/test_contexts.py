@@ -124,11 +124,11 @@ def test_a_format_2_atlas_still_reads(gpt2_model, atlas, tmp_path):
 
 
 def test_contexts_cut_from_shared_window_pieces_equal_pieces_cut_alone():
-    """trigger_texts cuts each window's pieces once and shares them between neighbouring contexts; every
+    """context_columns cuts each window's pieces once and shares them between neighbouring contexts; every
     context must equal the one cut from its own first token (the whitespace before that token dropped),
     also where offsets run backwards (overlapping byte-fallback tokens), where the shared chain differs."""
     from kvmem.plan import WindowText
-    from kvmem.scanning.texts import TextStore, trigger_texts
+    from kvmem.scanning.texts import TextStore, context_columns
 
     text = "ab  cd\n\tef gh  ij"
     monotone = ((0, 2), (4, 6), (8, 10), (11, 13), (15, 17))
@@ -140,9 +140,10 @@ def test_contexts_cut_from_shared_window_pieces_equal_pieces_cut_alone():
         store = TextStore()
         store.add([window])
         positions = np.arange(len(tokens))
-        got = trigger_texts(store, np.zeros_like(positions), positions, window=16, before=2, after=1,
-                            token_str=decoded.__getitem__)
-        for pos, info in zip(positions.tolist(), got):
+        got = context_columns(store, np.zeros_like(positions), positions, window=16, before=2, after=1,
+                              token_str=decoded.__getitem__)
+        ends = np.cumsum(got.piece_counts)
+        for i, pos in enumerate(positions.tolist()):
             c0, c1 = max(0, pos - 2), min(len(tokens), pos + 2)
             if offsets is None:
                 pieces = [decoded[t] for t in tokens[c0:c1]]
@@ -152,5 +153,8 @@ def test_contexts_cut_from_shared_window_pieces_equal_pieces_cut_alone():
                     end = max(offsets[j][1], cursor)
                     pieces.append(text[cursor:end])
                     cursor = end
-            assert info.pieces == pieces and info.context == "".join(pieces), (offsets, pos)
-            assert info.span == (len("".join(pieces[:pos - c0])), len("".join(pieces[:pos - c0 + 1])))
+            assert got.pieces[ends[i] - len(pieces):ends[i]] == pieces and got.context[i] == "".join(pieces), (offsets, pos)
+            assert (got.span_start[i], got.span_end[i]) == (len("".join(pieces[:pos - c0])),
+                                                            len("".join(pieces[:pos - c0 + 1])))
+            assert got.trigger_index[i] == pos - c0 and got.token_id[i] == tokens[pos]
+            assert got.next_token_id[i] == (tokens[pos + 1] if pos + 1 < len(tokens) else -1)

@@ -14,8 +14,8 @@ from projection_oracle import top_bottom
 
 import kvmem
 from kvmem.atomic import waited_lock
-from kvmem.scanning.config import ScanConfig
 from kvmem.scanning import projection
+from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.projection_screen import ENV
 

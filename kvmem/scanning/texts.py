@@ -12,23 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmem.plan import WindowText, window_key
+from kvmem.plan import WindowText
 
-__all__ = ["TextStore", "TriggerText", "trigger_texts"]
-
-
-@dataclass
-class TriggerText:
-    """Text of one distinct (doc, pos)."""
-
-    doc_id: str
-    token_id: int
-    next_token_id: int  # -1 at the end of the document
-    context: str
-    span: tuple[int, int]
-    pieces: list[str]  # context split into tokens
-    trigger_index: int  # index of the trigger token in pieces
-    context_start: int  # document position of pieces[0]
+__all__ = ["TextStore", "ContextColumns", "context_columns"]
 
 
 class TextStore:
@@ -85,57 +71,95 @@ def _pieces(text: str, offsets, start: int, stop: int) -> list[str]:
     return pieces
 
 
-class _WindowPieces:
-    """The pieces of every token of one window, cut once and shared by the contexts inside it
-    (neighbouring positions share all but one of their pieces)."""
+@dataclass
+class ContextColumns:
+    """The text columns of distinct positions, in the order asked (see :func:`context_columns`).
+    ``pieces``: every context's tokens, flat; ``piece_counts`` [P]: how many belong to each."""
 
-    def __init__(self, window: WindowText, token_str):
-        self.window, self.token_str = window, token_str
-        if window.offsets is not None:
-            # the chain from the window's first token: piece j runs from cursor[j - 1] to cursor[j]
-            self.pieces, self.cursors, cursor = [], [], window.offsets[0][0] if window.offsets else 0
-            for _, end in window.offsets:
-                end = max(end, cursor)
-                self.pieces.append(window.text[cursor:end])
-                self.cursors.append(end)
-                cursor = end
-        else:
-            self.pieces = [None] * len(window.tokens)  # decoded on demand
-
-    def context(self, c0: int, c1: int) -> list[str]:
-        """Pieces of tokens c0..c1-1, as :func:`_pieces` cuts them from c0 (its first piece without the
-        whitespace before it)."""
-        w = self.window
-        if w.offsets is None:
-            for j in range(c0, c1):
-                if self.pieces[j] is None:
-                    self.pieces[j] = self.token_str(w.tokens[j])
-            return self.pieces[c0:c1]
-        start, end = w.offsets[c0]
-        first_end = max(end, start)
-        if first_end != self.cursors[c0]:  # offsets out of order here: the chains differ, cut this one alone
-            return _pieces(w.text, w.offsets, c0, c1)
-        return [w.text[start:first_end], *self.pieces[c0 + 1:c1]]
+    doc_id: list[str]
+    token_id: np.ndarray  # [P] int32
+    next_token_id: np.ndarray  # [P] int32, -1 at the end of the document
+    context: list[str]
+    span_start: np.ndarray  # [P] int32, characters into the context
+    span_end: np.ndarray  # [P] int32
+    pieces: list[str]
+    piece_counts: np.ndarray  # [P] int64
+    trigger_index: np.ndarray  # [P] int16, index of the trigger token in its pieces
 
 
-def trigger_texts(store: TextStore, docs: np.ndarray, positions: np.ndarray, *, window: int, before: int,
-                  after: int, token_str) -> list[TriggerText]:
-    """TriggerText of each (docs[i], positions[i]); context clipped to the window the model read."""
-    out = []
-    cut: dict[int, _WindowPieces] = {}
-    for doc, pos in zip(docs.tolist(), positions.tolist()):
-        key = window_key(doc, pos - pos % window)
-        w = store.windows[key]
-        at = pos - w.start
-        c0, c1 = max(0, at - before), min(len(w.tokens), at + after + 1)
-        pieces_of = cut.get(key)
-        if pieces_of is None:
-            pieces_of = cut[key] = _WindowPieces(w, token_str)
-        pieces = pieces_of.context(c0, c1)
-        trigger = at - c0
-        span_start = sum(len(p) for p in pieces[:trigger])
-        following = w.tokens[at + 1] if at + 1 < len(w.tokens) else w.following
-        out.append(TriggerText(doc_id=w.doc_id, token_id=w.tokens[at], next_token_id=following,
-                               context="".join(pieces), span=(span_start, span_start + len(pieces[trigger])),
-                               pieces=pieces, trigger_index=trigger, context_start=w.start + c0))
-    return out
+def context_columns(store: TextStore, docs: np.ndarray, positions: np.ndarray, *, window: int, before: int,
+                    after: int, token_str) -> ContextColumns:
+    """The text of each (docs[i], positions[i]): up to ``before`` tokens before it and ``after`` after,
+    clipped to the window the model read. Pieces split the context into its tokens, the whitespace
+    before a token belonging to it (the first piece without it).
+
+    Each window's pieces are cut once; a context is then a slice of the document text and a slice
+    of its window's pieces (where the window's offsets run backwards, its contexts are cut alone)."""
+    docs, positions = np.asarray(docs, np.int64), np.asarray(positions, np.int64)
+    count = len(positions)
+    starts = positions - positions % window
+    keys = (docs << 32) | starts
+    token_id = np.empty(count, np.int32)
+    next_id = np.empty(count, np.int32)
+    span_start = np.empty(count, np.int32)
+    span_end = np.empty(count, np.int32)
+    trigger = np.empty(count, np.int16)
+    piece_counts = np.empty(count, np.int64)
+    doc_id: list[str] = []
+    context: list[str] = []
+    pieces: list[str] = []
+    bounds = np.flatnonzero(np.diff(keys)) + 1 if count else np.empty(0, np.int64)
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), count]):
+        if lo == hi:
+            continue
+        w = store.windows[int(keys[lo])]
+        n = len(w.tokens)
+        at = positions[lo:hi] - w.start
+        c0, c1 = np.maximum(at - before, 0), np.minimum(at + after + 1, n)
+        tokens = np.asarray(w.tokens, np.int64)
+        token_id[lo:hi] = tokens[at]
+        following = np.append(tokens[1:], w.following)
+        next_id[lo:hi] = following[at]
+        trigger[lo:hi] = at - c0
+        piece_counts[lo:hi] = c1 - c0
+        doc_id.extend([w.doc_id] * (hi - lo))
+        _cut_window(w, at.tolist(), c0.tolist(), c1.tolist(), token_str, context, pieces, span_start[lo:hi],
+                    span_end[lo:hi])
+    return ContextColumns(doc_id, token_id, next_id, context, span_start, span_end, pieces, piece_counts, trigger)
+
+
+def _cut_window(w: WindowText, at: list[int], c0: list[int], c1: list[int], token_str, context: list[str],
+                pieces: list[str], span_start: np.ndarray, span_end: np.ndarray) -> None:
+    """Append the contexts and pieces of positions ``at`` of window ``w`` (window-relative, with their
+    context bounds c0..c1-1); fill their spans."""
+    if w.offsets is None:  # no offsets: pieces are the decoded tokens
+        decoded = [token_str(t) for t in w.tokens]
+        for i, (a, lo, hi) in enumerate(zip(at, c0, c1)):
+            own = decoded[lo:hi]
+            pieces.extend(own)
+            context.append("".join(own))
+            span_start[i] = sum(len(p) for p in own[:a - lo])
+            span_end[i] = span_start[i] + len(own[a - lo])
+        return
+    text, offsets = w.text, w.offsets
+    # the chain from the window's first token: piece j runs from cursor[j - 1] to cursor[j]
+    chain, cursors, cursor = [], [], offsets[0][0]
+    for _, end in offsets:
+        end = max(end, cursor)
+        chain.append(text[cursor:end])
+        cursors.append(end)
+        cursor = end
+    for i, (a, lo, hi) in enumerate(zip(at, c0, c1)):
+        first, end = offsets[lo]
+        if max(end, first) != cursors[lo]:  # offsets out of order here: the chains differ, cut this one alone
+            own = _pieces(text, offsets, lo, hi)
+            pieces.extend(own)
+            context.append("".join(own))
+            span_start[i] = sum(len(p) for p in own[:a - lo])
+            span_end[i] = span_start[i] + len(own[a - lo])
+            continue
+        pieces.append(text[first:cursors[lo]])
+        pieces.extend(chain[lo + 1:hi])
+        context.append(text[first:cursors[hi - 1]])
+        span_start[i] = cursors[a - 1] - first if a > lo else 0
+        span_end[i] = cursors[a] - first

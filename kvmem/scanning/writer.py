@@ -22,7 +22,7 @@ from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.state import QUADRANTS, LayerState, ScanState
-from kvmem.scanning.texts import trigger_texts
+from kvmem.scanning.texts import context_columns
 from kvmem.schema import FORMAT_VERSION, TRIGGER_KINDS, conform
 
 __all__ = ["write_atlas", "TableWriter", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
@@ -245,26 +245,26 @@ def contexts_table(model: Model, config: ScanConfig, plan: TokenPlan, state, cod
     """One row per distinct position in ``codes`` (sorted packed (doc, pos)): its text, cut from the
     window the model read (no second pass)."""
     doc, pos = unpack(codes)
-    infos = trigger_texts(state.texts, doc, pos, window=plan.window, before=config.context_before,
-                          after=config.context_after, token_str=model.token_str)
-    piece_offsets = np.concatenate([[0], np.cumsum([len(t.pieces) for t in infos])]).astype(np.int64)
-    token_ids = np.array([t.token_id for t in infos], np.int32)
-    next_ids = np.array([t.next_token_id for t in infos], np.int32)
-    texts = model.token_texts(np.concatenate([token_ids, next_ids[next_ids >= 0]]).tolist())
-    next_texts = iter(texts[len(token_ids):])
+    text = context_columns(state.texts, doc, pos, window=plan.window, before=config.context_before,
+                           after=config.context_after, token_str=model.token_str)
+    following = text.next_token_id >= 0
+    strings = model.token_texts(np.concatenate([text.token_id, text.next_token_id[following]]).tolist())
+    next_token = np.full(len(codes), "", object)
+    next_token[following] = strings[len(text.token_id):]
+    piece_offsets = np.zeros(len(codes) + 1, np.int64)
+    np.cumsum(text.piece_counts, out=piece_offsets[1:])
     return pa.table({
         "doc": np.asarray(doc, np.int64), "pos": np.asarray(pos, np.int32),
-        "doc_id": pa.array([t.doc_id for t in infos], pa.string()),
-        "token_id": token_ids,
-        "token": pa.array(texts[:len(token_ids)], pa.string()),
-        "next_token_id": next_ids,
-        "next_token": pa.array([next(next_texts) if i >= 0 else "" for i in next_ids.tolist()], pa.string()),
-        "context": pa.array([t.context for t in infos], pa.string()),
-        "span_start": np.array([t.span[0] for t in infos], np.int32),
-        "span_end": np.array([t.span[1] for t in infos], np.int32),
-        "context_tokens": pa.LargeListArray.from_arrays(pa.array(piece_offsets),
-                                                        pa.array([p for t in infos for p in t.pieces], pa.string())),
-        "context_trigger": np.array([t.trigger_index for t in infos], np.int16),
+        "doc_id": pa.array(text.doc_id, pa.string()),
+        "token_id": text.token_id,
+        "token": pa.array(strings[:len(text.token_id)], pa.string()),
+        "next_token_id": text.next_token_id,
+        "next_token": pa.array(next_token, pa.string()),
+        "context": pa.array(text.context, pa.string()),
+        "span_start": text.span_start,
+        "span_end": text.span_end,
+        "context_tokens": pa.LargeListArray.from_arrays(pa.array(piece_offsets), pa.array(text.pieces, pa.string())),
+        "context_trigger": text.trigger_index,
     })
 
 
