@@ -2,7 +2,7 @@
 
 Run ``python notebooks/make_notebooks.py`` after editing a cell here; the notebooks are written with
 outputs cleared. They run offline top to bottom; ``KVMEM_NOTEBOOK_TOKENS`` sets the token budget
-(default 4000), ``KVMEM_NOTEBOOK_FAST=1`` scans fewer layers and ``KVMEM_NOTEBOOK_OUT`` is where
+(default 4000), ``KVMEM_NOTEBOOK_FAST=1`` scans fewer layers (and reports fewer neurons) and ``KVMEM_NOTEBOOK_OUT`` is where
 files go (default: a new temporary directory); tests set all three.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import kvmem
 
 TOKENS = int(os.environ.get("KVMEM_NOTEBOOK_TOKENS", 4000))  # corpus tokens to scan
-FAST = os.environ.get("KVMEM_NOTEBOOK_FAST") == "1"  # tests: fewer layers
+FAST = os.environ.get("KVMEM_NOTEBOOK_FAST") == "1"  # tests: fewer layers (and neurons to report)
 # everything this notebook writes goes here (tests point KVMEM_NOTEBOOK_OUT at their own directory)
 OUT = Path(os.environ.get("KVMEM_NOTEBOOK_OUT") or tempfile.mkdtemp(prefix="kvmem-notebook-"))
 print(f"scanning {TOKENS:,} tokens; writing to {OUT}")'''
@@ -220,8 +220,9 @@ atlas'''),
         md("## Choose neurons: the best of a layer by max coefficient, and the most often active"),
         code('''from kvmem.report import export_many, select_neurons
 
-best = select_neurons(atlas, LAYER, top=3, by="max")
-often = select_neurons(atlas, LAYER, top=3, by="frac_positive")
+TOP = 1 if FAST else 3  # tests: one neuron of each kind (each report draws four figures)
+best = select_neurons(atlas, LAYER, top=TOP, by="max")
+often = select_neurons(atlas, LAYER, top=TOP, by="frac_positive")
 neurons = list(dict.fromkeys(best + often))  # a neuron can be in both lists
 neurons'''),
         code('''html_index = export_many(atlas, neurons, format="html", out=OUT / "html", progress=False)
