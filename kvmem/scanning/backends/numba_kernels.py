@@ -65,24 +65,49 @@ def statistics(acts, rows_per_block, histogram, positive, total, total_sq, low, 
 
 
 @numba.njit(inline="always")
-def _insert(values, kept, slots, entered, f, v, c, mark, largest, ordered):  # pragma: no cover - compiled
-    """Insert (v, c) into column f of a side if it enters: it beats the k-th value, or (out of
-    order) ties it with a lower code. ``mark`` goes into ``entered`` at its rank."""
+def _insert(values, kept, slots, entered, v, c, mark, largest, ordered):  # pragma: no cover - compiled
+    """Insert (v, c) into one neuron's side, held as four contiguous [k] arrays (see :func:`_load`), if
+    it enters: it beats the k-th value, or (out of order) ties it with a lower code. ``mark`` goes
+    into ``entered`` at its rank."""
     k = values.shape[0]
-    kth = values[k - 1, f]
+    kth = values[k - 1]
     if not (v > kth if largest else v < kth):
         # a tie enters only out of order, by a lower code than the k-th's (an empty one never)
-        if ordered or v != kth or not (c < kept[k - 1, f]):
+        if ordered or v != kth or not (c < kept[k - 1]):
             return
     p = k - 1
     while p > 0:
-        u, cu = values[p - 1, f], kept[p - 1, f]
+        u, cu = values[p - 1], kept[p - 1]
         if (u > v if largest else u < v) or (u == v and (ordered or (cu != -1 and cu < c))):
             break  # entry p - 1 stays ahead
-        values[p, f], kept[p, f] = u, cu
-        slots[p, f], entered[p, f] = slots[p - 1, f], entered[p - 1, f]
+        values[p], kept[p] = u, cu
+        slots[p], entered[p] = slots[p - 1], entered[p - 1]
         p -= 1
-    values[p, f], kept[p, f], slots[p, f], entered[p, f] = v, c, 0, mark
+    values[p], kept[p], slots[p], entered[p] = v, c, 0, mark
+
+
+@numba.njit(inline="always")
+def _load(values, kept, slots, f):  # pragma: no cover - compiled
+    """Column f of a side's [k, d_ff] arrays as contiguous copies (entered: all -1). Inserting into a
+    column in place strides by d_ff at every shift: a dense first batch cost 5 times more so."""
+    k = values.shape[0]
+    lv, lc, ls = np.empty(k, values.dtype), np.empty(k, kept.dtype), np.empty(k, slots.dtype)
+    le = np.full(k, -1, np.int64)
+    for i in range(k):
+        lv[i], lc[i], ls[i] = values[i, f], kept[i, f], slots[i, f]
+    return lv, lc, ls, le
+
+
+@numba.njit(inline="always")
+def _store(values, kept, slots, entered, f, lv, lc, ls, le):  # pragma: no cover - compiled
+    for i in range(values.shape[0]):
+        values[i, f], kept[i, f], slots[i, f], entered[i, f] = lv[i], lc[i], ls[i], le[i]
+
+
+@numba.njit(inline="always")
+def _reaches(extreme, kth, largest, ordered):  # pragma: no cover - compiled
+    """Whether a block whose extreme is ``extreme`` may hold an entry that enters (see :func:`_insert`)."""
+    return (extreme > kth if largest else extreme < kth) or (not ordered and extreme == kth)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -93,12 +118,20 @@ def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, ente
     for f in numba.prange(d_ff):
         for i in range(k):
             entered[i, f] = -1
+        first = -1
         for b in range(extremes.shape[0]):
-            e, kth = extremes[b, f], values[k - 1, f]
-            if not ((e > kth if largest else e < kth) or (not ordered and e == kth)):
+            if _reaches(extremes[b, f], values[k - 1, f], largest, ordered):
+                first = b
+                break
+        if first < 0:  # no block reaches this neuron's k-th value: nothing to load
+            continue
+        lv, lc, ls, le = _load(values, kept, slots, f)
+        for b in range(first, extremes.shape[0]):
+            if not _reaches(extremes[b, f], lv[k - 1], largest, ordered):
                 continue
             for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
-                _insert(values, kept, slots, entered, f, acts[r, f], codes[r], r, largest, ordered)
+                _insert(lv, lc, ls, le, acts[r, f], codes[r], r, largest, ordered)
+        _store(values, kept, slots, entered, f, lv, lc, ls, le)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -107,8 +140,7 @@ def document_insert(acts, codes, starts, lengths, open_value, open_code, continu
     k, d_ff = values.shape
     documents = starts.shape[0]
     for f in numba.prange(d_ff):
-        for i in range(k):
-            entered[i, f] = -1
+        lv, lc, ls, le = _load(values, kept, slots, f)
         for d in range(documents):
             row = starts[d]
             best = acts[row, f]
@@ -120,9 +152,10 @@ def document_insert(acts, codes, starts, lengths, open_value, open_code, continu
             if d == 0 and continues and not (best > open_value[f] if largest else best < open_value[f]):
                 best, code, row = open_value[f], open_code[f], -2  # the earlier best stays (lower code)
             if d < documents - 1:
-                _insert(values, kept, slots, entered, f, best, code, row, largest, ordered)
+                _insert(lv, lc, ls, le, best, code, row, largest, ordered)
             else:
                 last_value[f], last_code[f], last_row[f] = best, code, row
+        _store(values, kept, slots, entered, f, lv, lc, ls, le)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
