@@ -34,7 +34,7 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("context keeps one token fewer before (text)", "kvmem/scanning/texts.py",
-             "c0, c1 = max(0, at - before), ", "c0, c1 = max(0, at - before + 1), ",
+             "c0, c1 = np.maximum(at - before, 0), ", "c0, c1 = np.maximum(at - before + 1, 0), ",
              ("tests/test_context_limits.py",)),
     Mutation("context keeps one token fewer before (coefficients)", "kvmem/scanning/step.py",
              "steps = torch.arange(-context_before, ", "steps = torch.arange(-context_before + 1, ",
@@ -88,7 +88,8 @@ def run(mutation: Mutation) -> tuple[str, float, str]:
         if text.count(mutation.old) != 1:
             return "stale (text not found once)", 0.0, ""
         path.write_text(text.replace(mutation.old, mutation.new))
-        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
+        # one process (-n 0): under xdist, -x stops the workers and pytest exits 2 instead of 1
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *mutation.tests]
         if mutation.select:
             command += ["-k", mutation.select]
         env = {**os.environ, "PYTHONPATH": str(copy)}
