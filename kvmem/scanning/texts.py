@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmem.plan import WindowText
+from kvmem.plan import WindowText, pack
 
 __all__ = ["TextStore", "ContextColumns", "context_columns"]
 
@@ -98,7 +98,7 @@ def context_columns(store: TextStore, docs: np.ndarray, positions: np.ndarray, *
     docs, positions = np.asarray(docs, np.int64), np.asarray(positions, np.int64)
     count = len(positions)
     starts = positions - positions % window
-    keys = (docs << 32) | starts
+    keys = pack(docs, starts)  # the windows' keys (see kvmem.plan.window_key)
     token_id = np.empty(count, np.int32)
     next_id = np.empty(count, np.int32)
     span_start = np.empty(count, np.int32)
@@ -132,14 +132,20 @@ def _cut_window(w: WindowText, at: list[int], c0: list[int], c1: list[int], toke
                 pieces: list[str], span_start: np.ndarray, span_end: np.ndarray) -> None:
     """Append the contexts and pieces of positions ``at`` of window ``w`` (window-relative, with their
     context bounds c0..c1-1); fill their spans."""
-    if w.offsets is None:  # no offsets: pieces are the decoded tokens
-        decoded = [token_str(t) for t in w.tokens]
+
+    def append(own: list[str], i: int, trigger: int) -> None:  # a context whose pieces were cut alone
+        pieces.extend(own)
+        context.append("".join(own))
+        span_start[i] = sum(len(p) for p in own[:trigger])
+        span_end[i] = span_start[i] + len(own[trigger])
+
+    if w.offsets is None:  # no offsets: pieces are the decoded tokens, each decoded once when first needed
+        decoded: dict[int, str] = {}
         for i, (a, lo, hi) in enumerate(zip(at, c0, c1)):
-            own = decoded[lo:hi]
-            pieces.extend(own)
-            context.append("".join(own))
-            span_start[i] = sum(len(p) for p in own[:a - lo])
-            span_end[i] = span_start[i] + len(own[a - lo])
+            for j in range(lo, hi):
+                if j not in decoded:
+                    decoded[j] = token_str(w.tokens[j])
+            append([decoded[j] for j in range(lo, hi)], i, a - lo)
         return
     text, offsets = w.text, w.offsets
     # the chain from the window's first token: piece j runs from cursor[j - 1] to cursor[j]
@@ -152,11 +158,7 @@ def _cut_window(w: WindowText, at: list[int], c0: list[int], c1: list[int], toke
     for i, (a, lo, hi) in enumerate(zip(at, c0, c1)):
         first, end = offsets[lo]
         if max(end, first) != cursors[lo]:  # offsets out of order here: the chains differ, cut this one alone
-            own = _pieces(text, offsets, lo, hi)
-            pieces.extend(own)
-            context.append("".join(own))
-            span_start[i] = sum(len(p) for p in own[:a - lo])
-            span_end[i] = span_start[i] + len(own[a - lo])
+            append(_pieces(text, offsets, lo, hi), i, a - lo)
             continue
         pieces.append(text[first:cursors[lo]])
         pieces.extend(chain[lo + 1:hi])
