@@ -7,6 +7,8 @@ Bare forward = the HF model's own forward *with logits* over exactly the batches
 the figure is the median of each. The ratio is bare seconds / scan seconds (1.0 = the scan costs
 no more than reading the corpus with the model). The first scan of a model also fills the
 per-model projection cache; it is reported apart (``--cold`` uses an empty cache for it).
+The process keeps freed memory as the ``kvmem`` command does (:func:`kvmem.allocator.keep_freed_memory`;
+``--default-allocator``: glibc's default, as a plain ``kvmem.scan`` in a notebook gets), for both.
 
     python benchmarks/whole_scan.py --model smollm2-135m --tokens 20000 [--cold]
 """
@@ -25,6 +27,7 @@ import torch
 from common import Timer, machine, peak_rss_mb
 
 import kvmem
+from kvmem.allocator import keep_freed_memory
 from kvmem.plan import StreamPosition, iterate_batches
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.runner import token_plan
@@ -54,7 +57,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="first scan with an empty projection cache")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="leave glibc's default (freed memory handed back at once), unlike the kvmem command")
     args = parser.parse_args()
+    allocator = "default" if args.default_allocator or not keep_freed_memory() else "keeps freed memory"
 
     model = kvmem.load_model(args.model)
     out = tempfile.mkdtemp(prefix="kvmem-bench-")
@@ -80,10 +86,12 @@ def main() -> None:
     result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 1),
               "scan_seconds": round(whole_s, 1), "ratio": round(bare_s / whole_s, 3),
               "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
-              "backend": backend, "atlas_mb": round(atlas_mb, 1),
+              "first_warm_scan": {"seconds": round(whole[0], 1), "phases": phases[0]},
+              "backend": backend, "allocator": allocator, "atlas_mb": round(atlas_mb, 1),
               "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
-    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend): whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
+    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend, allocator {allocator}): whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
           f"ratio {result['ratio']:.2f}; phases {result['phases']}"
+          + f"; the first warm scan in the process {whole[0]:.1f} s {phases[0]}"
           + (f"; first scan with an empty projection cache {cold} s" if cold else ""))
     print(json.dumps(result))
 

@@ -105,8 +105,8 @@ def convention_vectors(model: Model, vectors: Tensor, name: str) -> Tensor:
     return get_convention(name).apply(model, vectors)
 
 
-def value_vectors(model: Model, layer: int, name: str) -> Tensor:
+def value_vectors(model: Model, layer: int, name: str, rows: slice = slice(None)) -> Tensor:
     """The written values w_i of ``layer`` (``Model.written_values``) as convention ``name`` reads them
-    [d_ff, d_model] float32."""
+    [d_ff, d_model] float32 (``rows``: only those neurons)."""
     convention = get_convention(name)  # checked before the weights are read
-    return convention.apply(model, model.written_values(layer))
+    return convention.apply(model, model.written_values(layer, rows))

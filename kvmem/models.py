@@ -226,15 +226,16 @@ class Model:
         """The scalar the FFN output is multiplied by before the residual add (Granite), else 1."""
         return self._config_float(self.spec.residual_multiplier_field, 1.0)
 
-    def written_values(self, layer: int) -> Tensor:
-        """What neuron i writes into the residual stream per unit of m_i [d_ff, d_model] float32.
+    def written_values(self, layer: int, rows: slice = slice(None)) -> Tensor:
+        """What neuron i writes into the residual stream per unit of m_i [d_ff, d_model] float32
+        (``rows``: only those neurons, e.g. ``slice(None, None, 16)``, without building the rest).
 
         w_i = residual_multiplier · gain ⊙ v_i, with ``gain`` the post-FFN norm's elementwise gain
         (:meth:`post_norm_gain`; 1 without one). That norm also divides by the per-token rms of the
         whole FFN output, a positive scale left out here: the residual update at a token is
         Σ_i m_i w_i / rms. Without a post-FFN norm or multiplier this is :meth:`values` (in float32).
         """
-        values = self.values(layer).float()  # [d_ff, d_model]
+        values = self.values(layer)[rows].float()  # [d_ff, d_model]
         gain = self.post_norm_gain(layer)
         if gain is not None:
             values = values * gain.to(values.device)

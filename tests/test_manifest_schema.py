@@ -103,7 +103,7 @@ def test_parquet_columns_are_compressed_as_documented(tmp_path):
 def test_row_groups_hold_one_layers_neurons_with_their_statistics(tmp_path):
     """write_parquet: a row group never spans a layer and holds at most ROW_GROUP_NEURONS neurons; layer and
     neuron carry min/max statistics (the atlas finds a neuron's row group by them), other columns none;
-    strings are dictionary encoded, numbers are not."""
+    strings are dictionary encoded, numbers are not; corpus positions are delta encoded."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -114,7 +114,8 @@ def test_row_groups_hold_one_layers_neurons_with_their_statistics(tmp_path):
     layer = np.repeat(np.array([3, 7], np.int16), d_ff)
     neuron = np.tile(np.arange(d_ff, dtype=np.int32), 2)
     table = pa.table({"layer": layer, "neuron": neuron, "kind": pa.array(["top"] * len(layer)),
-                      "activation": np.arange(len(layer), dtype=np.float32)})
+                      "activation": np.arange(len(layer), dtype=np.float32),
+                      "doc": np.arange(len(layer), dtype=np.int64) // 3, "pos": np.arange(len(layer), dtype=np.int32) % 7})
     write_parquet(tmp_path / "t.parquet", table)
     meta = pq.ParquetFile(tmp_path / "t.parquet").metadata
     spans = []
@@ -126,6 +127,8 @@ def test_row_groups_hold_one_layers_neurons_with_their_statistics(tmp_path):
         assert columns["activation"].statistics is None and columns["kind"].statistics is None
         assert "PLAIN_DICTIONARY" in columns["kind"].encodings or "RLE_DICTIONARY" in columns["kind"].encodings
         assert not {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & set(columns["activation"].encodings)
+        for position in ("doc", "pos"):  # corpus positions: delta-encoded, no codec
+            assert "DELTA_BINARY_PACKED" in columns[position].encodings and columns[position].compression == "UNCOMPRESSED"
         spans.append((columns["layer"].statistics.min, columns["neuron"].statistics.min, group.num_rows))
     r = ROW_GROUP_NEURONS
     assert spans == [(3, 0, r), (3, r, r), (3, 2 * r, 5), (7, 0, r), (7, r, r), (7, 2 * r, 5)]

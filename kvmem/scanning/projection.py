@@ -12,8 +12,8 @@ the tie rule and the bound with its proof: :mod:`kvmem.scanning.projection_rules
 prepared once per table (its bfloat16 copy and column norms), not once per layer.
 
 The tables are written once under ``$KVMEM_CACHE/projections/`` and linked into every later atlas,
-keyed by what is projected (:func:`projected_digest`: the float32 vectors of every (layer,
-convention / key vector) and both bases), the vocabulary, the layers, conventions, top_n, the
+keyed by what is projected (:func:`projection_digest`: a sample of the float32 vectors of every
+(layer, convention / key vector) and of both bases), the vocabulary, the layers, conventions, top_n, the
 weights fingerprint, the device type and whether the scores are exact (every exact method gives
 the same numbers to the bit, so they share an entry; ``fp32-topk`` has its own); not by the scan's
 dtype, so a model whose weights are the same in bfloat16 and float32 shares one cache entry, and a
@@ -52,9 +52,10 @@ from kvmem.scanning.projection_screen import (
 )
 
 __all__ = ["Projection", "ProjectionStats", "ProjectionTables", "project_rows", "key_vectors", "projected_vectors",
-           "projected_digest", "projection_tables", "cached_projection_files"]
+           "projection_digest", "projection_tables", "cached_projection_files"]
 
-_CACHE_VERSION = 3  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id
+_CACHE_VERSION = 4  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id;
+# 4: the content digest samples the vectors before the conventions are applied (same tables as 3)
 _RECORD = "projection.json"  # beside the cached tables: the method that computed them, and its counts
 _DIGEST_STRIDE = 16  # rows (of vectors) / columns (of bases) read into the content digest: 1 in 16
 
@@ -89,27 +90,36 @@ def projected_vectors(model: Model, layers: list[int], config) -> Projected:
     return Projected(values, keys, model.unembedding().float(), model.embedding().T.float())
 
 
-def projected_digest(projected: Projected) -> str:
-    """sha256 of the projected content: shape and the bytes of every 16th row (in memory order: of the
-    transpose for a transposed weight) of each vector matrix and basis (float32), in table order.
+def projection_digest(model: Model, layers: list[int], config) -> str:
+    """sha256 of what an atlas projects, sampled: shape and float32 bytes of every 16th vector of each
+    (layer, convention) value and (layer, key vector), and of every 16th row in memory order (of the
+    transpose for a transposed weight) of both bases, in table order.
 
     The weights fingerprint in the cache key covers the weight files; this digest covers how they
-    are read (dtype rounding, conventions, what a value is), changes that touch every row, at a
-    sixteenth of the cost of hashing everything (the key is computed on every scan)."""
+    are read (dtype rounding, conventions, what a value is), changes that touch every row. Only the
+    sampled vectors are built (the conventions applied to 1 in 16 rows), so a scan that finds its
+    tables cached never builds the full float32 vectors."""
     digest = hashlib.sha256()
+    sample = slice(None, None, _DIGEST_STRIDE)
 
-    def add(label: str, matrix: Tensor) -> None:
-        matrix = matrix.detach()
+    def add(label: str, rows: Tensor, shape: tuple) -> None:
+        digest.update(f"{label}:{shape};".encode())
+        digest.update(np.ascontiguousarray(rows.detach().float().cpu().numpy()).tobytes())  # numpy: one thread
+
+    def add_basis(label: str, matrix: Tensor) -> None:
         if not matrix.is_contiguous() and matrix.T.is_contiguous():  # a transposed weight: sample its rows
             matrix, label = matrix.T, f"{label}^T"
-        digest.update(f"{label}:{tuple(matrix.shape)}:{matrix.dtype};".encode())
-        digest.update(np.ascontiguousarray(matrix.cpu().numpy()[::_DIGEST_STRIDE]).tobytes())  # numpy: one thread
+        add(label, matrix[sample], tuple(matrix.shape))
 
-    for table, parts in (("values", projected.values), ("keys", projected.keys)):
-        for layer, label, vectors in parts:
-            add(f"{table}/{layer}/{label}", vectors)
-    add("unembedding", projected.unembedding)
-    add("embedding", projected.embedding)
+    for layer in layers:
+        for convention in config.conventions:
+            add(f"values/{layer}/{convention}", value_vectors(model, layer, convention, sample), (model.d_ff, model.d_model))
+    if config.key_projections:
+        for layer in layers:
+            for vector, rows in key_vectors(model, layer).items():
+                add(f"keys/{layer}/{vector}", rows[sample], tuple(rows.shape))
+    add_basis("unembedding", model.unembedding())
+    add_basis("embedding", model.embedding().T)
     return digest.hexdigest()
 
 
@@ -198,7 +208,7 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
     return pa.table([merged[name] for name in schema.names], schema=schema)
 
 
-def _cache_key(model: Model, layers: list[int], config, projected: Projected, scores: str) -> str | None:
+def _cache_key(model: Model, layers: list[int], config, scores: str) -> str | None:
     """None when the weights have no reliable fingerprint (then nothing is cached). ``scores``: see
     :func:`~kvmem.scanning.projection_screen.score_rule`; the exact methods give the same numbers to the
     bit, so they share one entry, and fp32-topk has its own."""
@@ -210,7 +220,7 @@ def _cache_key(model: Model, layers: list[int], config, projected: Projected, sc
     # the tables' own schema, not the atlas format: a change elsewhere in the atlas keeps the cache
     tables = hashlib.sha256(str([arrow_schema(name) for name in ("values", "keys")]).encode()).hexdigest()
     key = {"cache": _CACHE_VERSION, "tables": tables, "fingerprint": model.fingerprint, "vocab": vocab,
-           "content": projected_digest(projected), "device": str(model.device).split(":")[0], "layers": list(layers),
+           "content": projection_digest(model, layers, config), "device": str(model.device).split(":")[0], "layers": list(layers),
            "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections,
            "scores": scores}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -221,10 +231,9 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
     into an atlas, read from the per-model cache or computed (and cached) now; ``method``: the
     projection method that computed them (recorded beside the cached tables). Processes that need the
     same entry at once compute it once: the others wait on its lock, then read it."""
-    projected = projected_vectors(model, layers, config)
-    key = _cache_key(model, layers, config, projected, score_rule())
+    key = _cache_key(model, layers, config, score_rule())
     if key is None:
-        return _computed(model, layers, config, projected, bar=bar)
+        return _computed(model, layers, config, bar=bar)
     directory = cache_dir() / "projections" / key
     if (found := _cached(directory, len(layers), bar)) is not None:
         return found
@@ -232,16 +241,16 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
         try:
             stack.enter_context(waited_lock(directory.parent / f".{key}.lock"))
         except OSError:  # a read-only cache: compute every time
-            return _computed(model, layers, config, projected, bar=bar)
+            return _computed(model, layers, config, bar=bar)
         if (found := _cached(directory, len(layers), bar)) is not None:  # computed while we waited
             return found
-        method = select_method(projected.unembedding.device)  # loads the kernels: only when computing
-        tables = projection_tables(model, layers, config, bar=bar, projected=projected, method=method)
+        method = select_method(model.device)  # loads the kernels: only when computing
+        tables = projection_tables(model, layers, config, bar=bar, method=method)
         try:
             with staged_directory(directory) as tmp:
                 _write(tmp, tables)
         except OSError:  # the cache cannot be written: the files go to a temporary directory
-            return _computed(model, layers, config, projected, tables=tables)
+            return _computed(model, layers, config, tables=tables)
         return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": method}
 
 
@@ -261,11 +270,10 @@ def _cached(directory: Path, layers: int, bar) -> dict | None:
     return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": True, "method": recorded}
 
 
-def _computed(model: Model, layers: list[int], config, projected, *, bar=None, tables=None) -> dict:
+def _computed(model: Model, layers: list[int], config, *, bar=None, tables=None) -> dict:
     """Projection files written to a fresh temporary directory (no cache); ``tables`` if already computed."""
     if tables is None:
-        tables = projection_tables(model, layers, config, bar=bar, projected=projected,
-                                   method=select_method(projected.unembedding.device))
+        tables = projection_tables(model, layers, config, bar=bar, method=select_method(model.device))
     directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
     _write(directory, tables)
     return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False,

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvmem.allocator import release_freed_memory
 from kvmem.atlas import open_atlas
 from kvmem.atomic import held_lock
 from kvmem.corpus import Corpus, open_corpus
@@ -250,7 +251,7 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
         _run_batch(model, batch, plan, config, state, backend)
         bar.update(batch.tokens)
         if state.batches % 16 == 0:
-            _release_freed_memory()
+            release_freed_memory()
         if state.texts.needs_gc():
             state.texts.keep_only(state.referenced_windows(plan.window))
     state.seconds = time.perf_counter() - started
@@ -270,24 +271,6 @@ def prefetch_enabled(device) -> bool:
     if chosen:
         raise KvmemError(f"{PREFETCH_ENV}={chosen!r} is not 0 or 1; unset it for the default (on a GPU only)")
     return str(device).startswith("cuda")
-
-
-def _release_freed_memory() -> None:
-    """Hand memory freed by earlier batches back to the OS (glibc keeps it otherwise, and the
-    batches' temporaries differ in size from batch to batch, so peak RSS would creep up)."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc: nothing to do
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None
 
 
 def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState,

@@ -42,7 +42,8 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
     layers = state.layers
     with TableWriter(target, overwrite=overwrite) as out:
         with phases.phase("texts", total=6) as bar:
-            for name, build in (("triggers", lambda: triggers_table(state)), ("samples", lambda: samples_table(state)),
+            # the samples first: the longest to write, so its writing starts first
+            for name, build in (("samples", lambda: samples_table(state)), ("triggers", lambda: triggers_table(state)),
                                 ("contexts", lambda: contexts_table(model, config, plan, state, state.kept_positions())),
                                 ("neurons", lambda: neurons_table(model, layers, state.layer_states)),
                                 ("histograms", lambda: histograms_table(layers, state.layer_states)),
