@@ -250,3 +250,23 @@ def test_a_second_scan_into_a_running_scans_out_is_refused(gpt2_dir, corpus, who
     assert_same_tables(whole, out)
     assert not lock.exists()
     assert main([*argv, "--overwrite"]) == 0  # free again
+
+
+def test_the_command_process_delivers_all_its_output_and_status(whole, tmp_path, capsys):
+    """``python -m kvmem`` ends without the interpreter's teardown (kvmem.cli.run); what it printed into
+    pipes (block-buffered) still arrives whole, and its exit status is main()'s."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTHONUNBUFFERED", None)  # buffered, as a user's shell has it
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvmem", *args], capture_output=True, text=True, env=env,
+                              timeout=300)
+
+    for args in (["info", str(whole)], ["neuron", "--atlas", str(whole), "1", "3"]):
+        assert main(list(args)) == 0
+        expected = capsys.readouterr().out
+        done = command(*args)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout == expected and len(expected) > 200
+    missing = command("info", str(tmp_path / "no-atlas"))
+    assert missing.returncode == 2 and missing.stderr.startswith("kvmem: error: ") and not missing.stdout

@@ -11,13 +11,15 @@ a model's forward then stops faulting its temporaries in again at every layer.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from importlib import import_module
 
 from kvmem.allocator import keep_freed_memory
 from kvmem.errors import KvmemError
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "run", "COMMANDS"]
 
 # command -> (module in kvmem.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -85,5 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The ``kvmem`` console script and ``python -m kvmem``: :func:`main`, then an exit that skips
+    the interpreter's teardown. Every file a command writes is closed by then (``with`` blocks;
+    atlases are renamed into place), and tearing down torch, transformers and a scan's heap is
+    time the user waits for with nothing to show: 0.6 s after ``import torch`` alone, about 2 s
+    after a scan (measured on a 2-core AMD EPYC). Exceptions (``--debug``) exit the usual way."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head) or stream: nothing more to deliver
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

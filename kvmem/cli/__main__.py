@@ -1,5 +1,3 @@
-import sys
+from kvmem.cli import run
 
-from kvmem.cli import main
-
-sys.exit(main())
+run()
