@@ -270,3 +270,20 @@ def test_the_command_process_delivers_all_its_output_and_status(whole, tmp_path,
         assert done.stdout == expected and len(expected) > 200
     missing = command("info", str(tmp_path / "no-atlas"))
     assert missing.returncode == 2 and missing.stderr.startswith("kvmem: error: ") and not missing.stdout
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_output_cut_short_by_its_reader_ends_quietly(whole, buffered):
+    """``kvmem info ATLAS | head -0``: the reader is gone before the command prints; no error line, no
+    traceback, status 141 (SIGPIPE's, as a shell reports it), whether stdout is buffered or not."""
+    from kvmem.cli import BROKEN_PIPE
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    process = subprocess.Popen([sys.executable, "-m", "kvmem", "info", str(whole)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env)
+    process.stdout.close()  # the reader leaves before the first line
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == BROKEN_PIPE and stderr == ""

@@ -4,7 +4,7 @@ Each subcommand lives in its own module of this package with two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. User errors (:class:`KvmemError`) print
 one line ``kvmem: error: ...`` and exit with status 2, and so do operating-system errors (a full
 disk while the atlas is written: :func:`kvmem.cli.output.os_error_line`); ``--debug`` shows the
-traceback. The command keeps freed memory for reuse (:func:`kvmem.allocator.keep_freed_memory`):
+traceback. Output cut short by its reader (``| head``) ends quietly with status 141, as SIGPIPE would. The command keeps freed memory for reuse (:func:`kvmem.allocator.keep_freed_memory`):
 a model's forward then stops faulting its temporaries in again at every layer.
 """
 
@@ -19,7 +19,7 @@ from importlib import import_module
 from kvmem.allocator import keep_freed_memory
 from kvmem.errors import KvmemError
 
-__all__ = ["main", "run", "COMMANDS"]
+__all__ = ["main", "run", "COMMANDS", "BROKEN_PIPE"]
 
 # command -> (module in kvmem.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvmem: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (kvmem top ... | head): nobody to tell
+        _stdout_to_devnull()
+        return BROKEN_PIPE
     except OSError as error:
         if args.debug:
             raise
@@ -94,13 +97,30 @@ def run() -> None:
     time the user waits for with nothing to show: 0.6 s after ``import torch`` alone, about 2 s
     after a scan (measured on a 2-core AMD EPYC). Exceptions (``--debug``) exit the usual way."""
     code = main()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (| head) or stream: nothing more to deliver
-            pass
+    try:
+        sys.stdout.flush()  # what a pipe's buffer still holds
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        code = BROKEN_PIPE
+    except (OSError, ValueError):  # stdout closed: nothing more to deliver
+        pass
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
     logging.shutdown()
     os._exit(code)
+
+
+BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), as a shell reports it
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that what its buffer still holds is dropped quietly."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
