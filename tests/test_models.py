@@ -341,3 +341,25 @@ def test_token_texts_decode_only_what_is_asked_and_vocab_digest_names_the_tokeni
     assert digest(SimpleNamespace(tokenizer=edited, vocab_size=gpt2_model.vocab_size)) != same
     slow = SimpleNamespace(tokenizer=object(), vocab_size=3, vocab_strings=["a", "b", "c"])  # no backend_tokenizer
     assert digest(slow) == hashlib.sha256(b"a\0b\0c").hexdigest()
+
+
+def test_a_files_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """remembered_sha256: hashlib's digest of the bytes; read from the cache while size and mtime hold,
+    computed again once the file is rewritten."""
+    from kvmem import builtin
+
+    monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "cache"))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"first weights" * 1000)
+    assert builtin.remembered_sha256(weights) == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+    def no_hashing(path, chunk=0):
+        raise AssertionError(f"{path} hashed again")
+
+    monkeypatch.setattr(builtin, "sha256_file", no_hashing)
+    assert builtin.remembered_sha256(weights) == hashlib.sha256(weights.read_bytes()).hexdigest()
+    monkeypatch.undo()
+    monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "cache"))
+    weights.write_bytes(b"other weights" * 1000)  # same size, new bytes and mtime
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    assert builtin.remembered_sha256(weights) == hashlib.sha256(weights.read_bytes()).hexdigest()
