@@ -14,12 +14,14 @@ from common import HERE, machine, run_isolated
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default=None, help="rerun some sections (whole,overhead,memory,projection,queries), "
+    parser.add_argument("--only", default=None, help="rerun some sections (command,whole,overhead,memory,projection,queries), "
                                                        "keeping the others from results.json")
     args = parser.parse_args()
     small, large = (2_000, 6_000) if args.quick else (10_000, 100_000)
     overhead_tokens = "2048" if args.quick else "8192"
     sections = {
+        "command": lambda: [run_isolated("whole_command.py", "--model", "smollm2-135m", "--tokens", str(n),
+                                         "--rounds", "3") for n in ((2_000,) if args.quick else (2_000, 20_000))],
         "whole": lambda: [run_isolated("whole_scan.py", "--model", "smollm2-135m", "--tokens", str(n),
                                        "--repeats", "1" if n >= 100_000 else "2", *(["--cold"] if n == 2_000 else []))
                           for n in ((2_000, 6_000) if args.quick else (2_000, 20_000, 100_000))],
@@ -36,6 +38,12 @@ def main() -> None:
         results[name] = sections[name]()
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"Measured on: {machine()}\n")
+    print("| the kvmem scan command from the shell (smollm2-135m, pydoc) | tokens | bare load + forward s | command s "
+          "| bare / command |")
+    print("|---|---|---|---|---|")
+    for r in results.get("command", []):
+        print(f"| | {r['tokens']:,} | {r['bare_seconds']} | {r['command_seconds']} | {r['ratio']} |")
+    print()
     print("| whole scan (smollm2-135m, pydoc) | tokens | bare forward s | whole scan s | bare / scan | phases s |")
     print("|---|---|---|---|---|---|")
     for r in results.get("whole", []):
