@@ -131,6 +131,7 @@ def smollm2_dir() -> Path:
     gguf = ggufs[0]
     if importlib.util.find_spec("gguf") is None:
         raise KvmemError(f"reading {gguf.name} needs the 'gguf' package; install it with: pip install gguf")
+    gguf_sha256 = remembered_sha256(gguf)
 
     def build(out: Path) -> None:
         import torch
@@ -148,13 +149,12 @@ def smollm2_dir() -> Path:
         provenance = {
             "name": "smollm2-135m",
             "source": f"{SMOLLM2_PACKAGE}/{gguf.name}",
-            "gguf_sha256": remembered_sha256(gguf),
+            "gguf_sha256": gguf_sha256,
             "dtype": "float32",
         }
         (out / "kvmem-cache.json").write_text(json.dumps(provenance, indent=2))
 
-    key = remembered_sha256(gguf)[:12]
-    return _atomic_dir(cache_dir() / f"smollm2-135m-{key}", build)
+    return _atomic_dir(cache_dir() / f"smollm2-135m-{gguf_sha256[:12]}", build)
 
 
 def gpt2_tokenizer_dir() -> Path:

@@ -4,8 +4,9 @@ Each subcommand lives in its own module of this package with two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. User errors (:class:`KvmemError`) print
 one line ``kvmem: error: ...`` and exit with status 2, and so do operating-system errors (a full
 disk while the atlas is written: :func:`kvmem.cli.output.os_error_line`); ``--debug`` shows the
-traceback. Output cut short by its reader (``| head``) ends quietly with status 141, as SIGPIPE would. The command keeps freed memory for reuse (:func:`kvmem.allocator.keep_freed_memory`):
-a model's forward then stops faulting its temporaries in again at every layer.
+traceback. Output cut short by its reader (``| head``) ends quietly with status 141, as SIGPIPE
+would. The command keeps freed memory for reuse (:func:`kvmem.allocator.keep_freed_memory`): a
+model's forward then stops faulting its temporaries in again at every layer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kvmem.allocator import keep_freed_memory
 from kvmem.errors import KvmemError
 
 __all__ = ["main", "run", "COMMANDS", "BROKEN_PIPE"]
+
+BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), as a shell reports it
 
 # command -> (module in kvmem.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -110,9 +113,6 @@ def run() -> None:
         pass
     logging.shutdown()
     os._exit(code)
-
-
-BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), as a shell reports it
 
 
 def _stdout_to_devnull() -> None:
