@@ -59,7 +59,7 @@ def main() -> None:
 
     def bare(ids):
         with torch.inference_mode():
-            model.bridge(ids.to(device))
+            model.unbridged(ids.to(device), use_cache=False)  # the HF forward as HF runs it
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 

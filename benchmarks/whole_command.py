@@ -2,9 +2,11 @@
 
 - command: ``python -m kvmem scan --model M --corpus C --max-tokens N --out ... --overwrite --quiet``,
   from Python's start to the process's end (imports, model load, scan, writing the atlas, exit);
-- bare: a fresh Python that imports kvmem, loads the same model and runs the HF forward *with logits*
-  over exactly the batches the scan reads (``whole_scan.bare_forward``), then exits the usual way, as a
-  user's own script would.
+- bare: a fresh Python that imports torch and transformers, loads the same model directory with
+  ``AutoModelForCausalLM`` (HF's own attention implementation, no TransformerLens) and runs its forward
+  *with logits* over exactly the batches the scan reads, then exits the usual way, as a user's own
+  script would. The batches' token ids are computed once beforehand (``whole_scan.scan_batches``) and
+  read from a file, so the bare command does not even tokenize.
 
 The two alternate, ``--rounds`` times each, every one in a fresh process; medians are reported (the
 machine's drift hits both alike). The projection cache and the compiled kernels are assumed warm: run
@@ -29,13 +31,26 @@ from common import HERE, machine
 ROOT = HERE.parent
 
 
-def bare_main(model_name: str, corpus: str, tokens: int) -> None:
-    """The bare command's body (run with ``--bare`` in a fresh process)."""
-    from whole_scan import bare_forward
+def bare_main(directory: str, batches: str) -> None:
+    """The bare command's body (run with ``--bare`` in a fresh process): no kvmem import."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from whole_scan import forward_seconds
+
+    forward_seconds(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), torch.load(batches))
+
+
+def prepare_bare(model_name: str, corpus: str, tokens: int, folder: Path) -> tuple[str, Path]:
+    """-> (the model's HF directory, a file holding the scan's batches), computed once in this process."""
+    import torch
+    from whole_scan import scan_batches
 
     import kvmem
 
-    bare_forward(kvmem.load_model(model_name), corpus, tokens)
+    model = kvmem.load_model(model_name)
+    batches = folder / "batches.pt"
+    torch.save(scan_batches(model, corpus, tokens), batches)
+    return model.source, batches
 
 
 def timed(argv: list[str]) -> float:
@@ -55,17 +70,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="do not run the command once first (its first round then fills the caches)")
-    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the bare command itself
+    parser.add_argument("--bare", nargs=2, metavar=("DIRECTORY", "BATCHES"), help=argparse.SUPPRESS)  # the bare command
     args = parser.parse_args()
     if args.bare:
-        bare_main(args.model, args.corpus, args.tokens)
+        bare_main(*args.bare)
         return
 
-    out = Path(tempfile.mkdtemp(prefix="kvmem-command-")) / "atlas"
+    folder = Path(tempfile.mkdtemp(prefix="kvmem-command-"))
+    out = folder / "atlas"
+    directory, batches = prepare_bare(args.model, args.corpus, args.tokens, folder)
     command = [sys.executable, "-m", "kvmem", "scan", "--model", args.model, "--corpus", args.corpus,
                "--max-tokens", str(args.tokens), "--out", str(out), "--overwrite", "--quiet"]
-    bare = [sys.executable, str(HERE / "whole_command.py"), "--bare", "--model", args.model, "--corpus", args.corpus,
-            "--tokens", str(args.tokens)]
+    bare = [sys.executable, str(HERE / "whole_command.py"), "--bare", directory, str(batches)]
     if args.warm_up:
         timed(command)
     rounds = {"command": [], "bare": []}

@@ -3,7 +3,9 @@
 Whole scan = ``kvmem.scan`` with default settings (streaming, trigger texts, context coefficients,
 samples, projections, writing the atlas), timed from after the model load to the atlas on disk.
 Bare forward = the HF model's own forward *with logits* over exactly the batches the scan reads
-(the tokenization plan's batches), in the same process. Both run twice (bare, scan, bare, scan);
+(the tokenization plan's batches), in the same process: ``Model.unbridged``, the HF modules as HF
+runs them (its attention implementation, no TransformerLens component; tests/test_capture_ffn.py
+checks it against a separately loaded HF model to the bit), without a KV cache. Both run twice (bare, scan, bare, scan);
 the figure is the median of each. The ratio is bare seconds / scan seconds (1.0 = the scan costs
 no more than reading the corpus with the model). The first scan of a model also fills the
 per-model projection cache; it is reported apart (``--cold`` uses an empty cache for it).
@@ -34,20 +36,27 @@ from kvmem.scanning.runner import token_plan
 from kvmem.scanning.step import BatchRows
 
 
-def bare_forward(model, corpus: str, tokens: int, *, batch_size: int = 8) -> float:
-    """Seconds of the HF forward (with logits) over the scan's own batches."""
+def scan_batches(model, corpus: str, tokens: int, *, batch_size: int = 8) -> list[torch.Tensor]:
+    """The model inputs [batch, pos] of the batches a scan of ``tokens`` tokens reads, in order."""
     plan = token_plan(model, ScanConfig(max_tokens=tokens, batch_size=batch_size))
-    batches = []
-    for batch in iterate_batches(kvmem.corpus.open_corpus(corpus), model.tokenizer, plan, StreamPosition()):
-        batches.append(BatchRows.build(batch, plan, context_before=0, context_after=0, seed=0, samples=False,
-                                       device="cpu").ids)
-    cuda = str(model.device).startswith("cuda")
+    return [BatchRows.build(batch, plan, context_before=0, context_after=0, seed=0, samples=False, device="cpu").ids
+            for batch in iterate_batches(kvmem.corpus.open_corpus(corpus), model.tokenizer, plan, StreamPosition())]
+
+
+def forward_seconds(hf_model, batches: list[torch.Tensor]) -> float:
+    """Seconds of an HF model's forward with logits (no KV cache) over ``batches``."""
+    device = next(hf_model.parameters()).device
     with Timer() as timer, torch.inference_mode():
         for ids in batches:
-            model.hf_model(ids.to(model.device))
-        if cuda:
+            hf_model(ids.to(device), use_cache=False)
+        if device.type == "cuda":
             torch.cuda.synchronize()
     return timer.seconds
+
+
+def bare_forward(model, corpus: str, tokens: int, *, batch_size: int = 8) -> float:
+    """Seconds of the HF forward as HF runs it (with logits) over the scan's own batches."""
+    return forward_seconds(model.unbridged, scan_batches(model, corpus, tokens, batch_size=batch_size))
 
 
 def main() -> None:

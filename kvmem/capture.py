@@ -1,7 +1,15 @@
-"""The one way kvmem reads a model's activations: hooks by TransformerLens name, optional
-position gather, and an early stop.
+"""How kvmem reads a model's activations: :func:`capture_ffn` for the FFN's own sites (the scan),
+:func:`capture` for any site by TransformerLens name, with a position gather and an early stop.
 
-Every reader (the scan, the experiments, tracing) calls :func:`capture`. Its hooks live only
+:func:`capture_ffn` runs the HF model as HF runs it (:attr:`kvmem.models.Model.unbridged`, HF's
+attention implementation) with plain torch hooks on the FFN's modules: the down projection's input
+is the coefficients m by definition. The scan and the records it rebuilds read m this way; it is
+cheaper than the bridge's forward (no hook point at every stage, fused attention) and gives the
+same numbers to float32 rounding (``tests/test_capture_ffn.py``: equal, to the bit, to a separate
+plain HF model's hooks on every row of the architecture table, and within rounding to the bridge's
+``hook_post``).
+
+The experiments and tracing call :func:`capture`. Its hooks live only
 inside ``model.bridge.hooks``, which removes them in ``finally``, also after an exception. With
 ``stop_early`` the forward ends as soon as every requested hook has fired: nothing after the
 last one (later blocks, the final norm, the unembedding) is computed.
@@ -30,7 +38,50 @@ if TYPE_CHECKING:
 
     from kvmem.models import Model
 
-__all__ = ["capture"]
+__all__ = ["capture", "capture_ffn"]
+
+
+def capture_ffn(model: Model, input_ids: Tensor, sites: Sequence[tuple[int, str]],
+                on_capture: Callable[[int, str, Tensor], None]) -> None:
+    """Run the HF model on ``input_ids`` [batch, pos] and call ``on_capture(layer, site, tensor)``
+    [batch, pos, d_ff] as each FFN site of ``sites`` is computed (sites of :meth:`Model.ffn_site`:
+    ``post`` m, ``pre`` the gate, ``pre_linear`` the up pre-activation). The forward stops right
+    after the last one; nothing is kept. Hooks are removed in ``finally``, also after an exception.
+    """
+    import torch
+
+    wanted = set(sites)
+    fired: set[tuple[int, str]] = set()
+    handles = []
+    batch, pos = input_ids.shape
+
+    def deliver(key: tuple[int, str], tensor: Tensor, half: int | None) -> None:
+        if half is not None:
+            tensor = tensor.chunk(2, dim=-1)[half]
+        on_capture(key[0], key[1], tensor.detach().view(batch, pos, tensor.shape[-1]))  # OPT: [batch * pos, d_ff]
+        fired.add(key)
+        if fired == wanted:
+            raise _StopForward
+
+    try:
+        for key in dict.fromkeys(sites):
+            module, where, half = model.ffn_site(*key)
+            if where == "input":
+                hook = lambda module, args, key=key, half=half: deliver(key, args[0], half)  # noqa: E731
+                handles.append(module.register_forward_pre_hook(hook))
+            else:
+                hook = lambda module, args, out, key=key, half=half: deliver(key, out, half)  # noqa: E731
+                handles.append(module.register_forward_hook(hook))
+        with torch.inference_mode():
+            try:
+                model.unbridged(input_ids.to(model.device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if fired != wanted:
+        raise KvmemError(f"FFN site(s) {sorted(wanted - fired)} never ran in the forward pass")
 
 
 class _StopForward(Exception):

@@ -29,6 +29,7 @@ from kvmem.anatomy import model_anatomy
 from kvmem.architectures import ACTIVATIONS, ArchitectureSpec, hook_name
 from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
+from kvmem.unbridged import unbridged
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -96,6 +97,8 @@ class Model:
         if device is not None:
             hf_model.to(device=resolve_device(device))  # before the bridge copies anything
         self.hf_model = hf_model
+        # HF's own choice (sdpa where supported), read before the bridge forces eager attention
+        self.attention: str = getattr(hf_model.config, "_attn_implementation", None) or "eager"
         self._folded: dict[str, tuple[tuple, Tensor]] = {}
         # counted before the bridge wraps the modules (it adds split Q/K/V copies for GPT-2)
         self.parameter_counts: dict[int, tuple[int, int]] = {
@@ -122,6 +125,33 @@ class Model:
     def device(self) -> str:
         """Where the parameters are, e.g. ``cpu`` or ``cuda:0``."""
         return str(next(self.hf_model.parameters()).device)
+
+    @cached_property
+    def unbridged(self):
+        """The HF model as HF runs it: the same modules and weights without the bridge's components,
+        with the attention implementation it was loaded with (:func:`kvmem.unbridged.unbridged`)."""
+        return unbridged(self.hf_model, self.attention)
+
+    def ffn_site(self, layer: int, site: str) -> tuple[torch.nn.Module, str, int | None]:
+        """Where an FFN site is computed in :attr:`unbridged` -> (module, ``"input"`` or ``"output"``,
+        the half of the output: 0 gate, 1 up of a fused gate/up projection, None all of it).
+
+        ``post``: the coefficients m, the input of the down projection W2; ``pre``: the gate
+        pre-activation W_gate x (a plain FFN: W1 x + b); ``pre_linear``: the up pre-activation W_up x
+        (gated FFNs only)."""
+        self._check_layer(layer)
+        spec = self.spec
+        parts = {"post": (spec.value, "input", None),
+                 "pre": (spec.gate or spec.key, "output", 0 if spec.fused_gate_up else None),
+                 "pre_linear": (spec.key if spec.gate else None, "output", 1 if spec.fused_gate_up else None)}
+        if site not in parts or parts[site][0] is None:
+            raise KvmemError(f"FFN site {site!r} is not one of this {'gated' if self.gated else 'plain'} FFN's: "
+                             f"choose {', '.join(name for name, part in parts.items() if part[0])}")
+        part, where, half = parts[site]
+        module = self.unbridged
+        for name in f"{spec.layers}.{layer}.{'.'.join(p for p in (spec.mlp, part) if p)}".split("."):
+            module = module[int(name)] if name.isdigit() else getattr(module, name)
+        return module, where, half
 
     # ---- module access (the only place that walks the HF module tree) ----
     def _module(self, path: str):
@@ -413,6 +443,7 @@ class Model:
             "residual_multiplier": self.residual_multiplier,
             "parallel_block": self.parallel_block,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "attention": self.attention,
         }
 
     def __repr__(self) -> str:

@@ -210,8 +210,9 @@ class BatchStep:
     def gate_up(self, layer: int, site: str, tensor: Tensor) -> None:
         """A gate (site ``pre``) or up (``pre_linear``) pre-activation [B, P, F] of ``layer``, kept for :meth:`layer`."""
         if tensor.shape[-1] != self.state.layer_states[layer].histogram.shape[0]:
-            raise KvmemError(f"hook {site} of layer {layer} is {tensor.shape[-1]} wide, not d_ff: this bridge's "
-                             f"gate/up hooks are not the pre-activations; scan with --no-taxonomy-sums")
+            raise KvmemError(f"the {site} pre-activation of layer {layer} is {tensor.shape[-1]} wide, not d_ff: this "
+                             f"model's gate/up projections are not laid out as its architecture row says; "
+                             f"scan with --no-taxonomy-sums")
         self.pending.setdefault(layer, {})[site] = tensor.reshape(-1, tensor.shape[-1]).index_select(0, self.rows.flat).float()
 
     def layer(self, layer: int, coefficients: Tensor) -> None:
