@@ -1,4 +1,6 @@
-"""A causal LM read as key-value memories (:class:`Model`): raw HF weights behind a TransformerLens bridge.
+"""A causal LM read as key-value memories (:class:`Model`): raw HF weights, read by the scan as HF runs
+them (``Model.unbridged``) and by tracing and interventions behind a TransformerLens bridge (``Model.bridge``,
+built on first use).
 
 :func:`kvmem.loading.load_model` builds one.
 
@@ -10,7 +12,7 @@ vocabulary (OPT's ``project_out`` and ``project_in``, Granite's scalings, Gemma'
 are folded into ``Model.unembedding`` and ``Model.embedding``, so both act on the residual stream.
 
 Device rule (:func:`kvmem.devices.resolve_device`): :func:`kvmem.loading.load_model` moves the HF model to its
-device before the TransformerLens bridge is built (TransformerLens leaves a pre-loaded model where
+device before anything else reads it, so before the TransformerLens bridge is built (TransformerLens leaves a pre-loaded model where
 it is and builds its split copies, e.g. Phi-3's gate and up, from the weights it finds), so every
 tensor the bridge holds lives there; ``Model.device`` reads where the parameters are.
 
@@ -78,14 +80,13 @@ class Model:
     Attributes: ``name``, ``fingerprint`` (hub revision or sha256 of the weight files),
     ``n_layers``, ``d_model``, ``d_ff``, ``n_ctx``, ``vocab_size``, ``activation`` (exact HF
     name, e.g. ``gelu_new``), ``gated``, ``has_bias``, ``parallel_block`` (attention and FFN read
-    the same residual), ``device`` (where the parameters are); ``bridge`` (TransformerLens
-    ``TransformerBridge``), ``hf_model`` and ``tokenizer``.
+    the same residual), ``device`` (where the parameters are), ``attention`` (the HF attention
+    implementation the scan's forward runs); ``bridge`` (TransformerLens ``TransformerBridge``, built
+    on first use), ``unbridged`` (the HF model as HF runs it), ``hf_model`` and ``tokenizer``.
     """
 
     def __init__(self, hf_model, tokenizer, *, spec: ArchitectureSpec, name: str, source: str,
                  fingerprint: str, revision: str | None, dtype: torch.dtype, device: str | None = None):
-        from transformer_lens.model_bridge import TransformerBridge
-
         self.spec = spec
         self.name = name
         self.source = source
@@ -104,9 +105,6 @@ class Model:
         self.parameter_counts: dict[int, tuple[int, int]] = {
             layer: (self._count(layer, self._ffn_paths()), self._count(layer, (spec.attention,)))
             for layer in range(len(self._module(spec.layers)))}
-        self.bridge = TransformerBridge.boot_transformers(source, hf_model=hf_model, tokenizer=tokenizer,
-                                                          device=self.device, dtype=dtype)
-        self.bridge.eval()
         config = hf_model.config
         self.model_type: str = config.model_type
         self.n_layers: int = len(self._module(spec.layers))
@@ -125,6 +123,19 @@ class Model:
     def device(self) -> str:
         """Where the parameters are, e.g. ``cpu`` or ``cuda:0``."""
         return str(next(self.hf_model.parameters()).device)
+
+    @cached_property
+    def bridge(self):
+        """The TransformerLens ``TransformerBridge`` over :attr:`hf_model`, built on first use: importing
+        TransformerLens and booting the bridge take seconds, and a scan needs neither (it reads
+        :attr:`unbridged`). Booting puts the bridge's components in place of the HF modules inside
+        ``hf_model`` and switches its attention to eager; :attr:`unbridged` is unaffected either way."""
+        from transformer_lens.model_bridge import TransformerBridge
+
+        bridge = TransformerBridge.boot_transformers(self.source, hf_model=self.hf_model, tokenizer=self.tokenizer,
+                                                     device=self.device, dtype=self.dtype)
+        bridge.eval()
+        return bridge
 
     @cached_property
     def unbridged(self):

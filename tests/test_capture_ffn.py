@@ -97,9 +97,12 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
     row = ROWS["llama"]
     _build("llama", row, tmp_path, tokenizer)
     model = kvmem.load_model(tmp_path, device="cpu")
+    assert "bridge" not in vars(model)  # built on first use only
     view = model.unbridged
     assert model.attention == "sdpa" and view.config._attn_implementation == "sdpa"
-    assert model.hf_model.config._attn_implementation == "eager"  # the bridge's, unchanged
+    assert model.bridge is not None  # booting it now wraps hf_model's modules and forces eager there, not in the view
+    assert model.hf_model.config._attn_implementation == "eager"
+    assert view.config._attn_implementation == "sdpa"
     assert not [type(m) for m in view.modules() if type(m).__module__.startswith("transformer_lens")]
     shared = {p.data_ptr() for p in model.hf_model.parameters()}
     assert all(p.data_ptr() in shared for p in view.parameters())
@@ -133,3 +136,30 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
         ROWS_GPT2 = ROWS["gpt2"]
         _build("gpt2", ROWS_GPT2, tmp_path / "gpt2", tokenizer)
         kvmem.load_model(tmp_path / "gpt2", device="cpu").ffn_site(0, "pre_linear")
+
+
+SCAN_WITHOUT_THE_BRIDGE = """
+import sys, kvmem
+model = kvmem.load_model(sys.argv[3], device="cpu")
+atlas = kvmem.scan(model, sys.argv[1], out=sys.argv[2], max_tokens=200, progress=False, top_k=3)
+assert atlas.manifest.tokens > 0
+print(sorted(name for name in sys.modules if name.startswith("transformer_lens")))
+print(atlas.manifest.environment["transformer_lens"])
+"""
+
+
+def test_a_scan_never_imports_transformer_lens(tmp_path, llama_dir):
+    """Importing TransformerLens and booting its bridge take seconds; a scan needs neither."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The key-value reading of a feed-forward layer. " * 20)
+    done = subprocess.run([sys.executable, "-c", SCAN_WITHOUT_THE_BRIDGE, str(corpus), str(tmp_path / "atlas"),
+                           str(llama_dir)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules, recorded = done.stdout.strip().splitlines()[-2:]
+    assert modules == "[]"
+    assert recorded == version("transformer-lens")  # provenance without the import

@@ -13,7 +13,7 @@ import torch
 
 import kvmem
 from kvmem.architectures import ARCHITECTURES, hook_name
-from kvmem.capture import capture
+from kvmem.capture import capture, capture_ffn
 
 
 def _capture(model, ids, sites, layer):
@@ -277,6 +277,8 @@ def test_load_model_moves_weights_before_the_bridge(monkeypatch, gpt2_dir):
 
     monkeypatch.setattr(torch.nn.Module, "to", to)
     model = kvmem.load_model(gpt2_dir, device="cpu")
+    assert seen == {}  # the bridge is built on first use
+    assert model.bridge is not None
     assert moved and moved[0] == "cpu"  # moved to the resolved device before boot_transformers ran
     assert seen == {"params": {"cpu"}, "device": "cpu"} and model.device == "cpu"
     assert {str(t.device) for t in model.bridge.state_dict().values()} == {"cpu"}
@@ -285,26 +287,44 @@ def test_load_model_moves_weights_before_the_bridge(monkeypatch, gpt2_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("which", ["gpt2", "llama"])
 def test_dtypes_load_and_run_on_cpu(which, dtype, gpt2_dir, llama_dir):
-    """In each dtype, hook_post is the input of the HF down projection, and a plain HF forward agrees."""
-    model = kvmem.load_model({"gpt2": gpt2_dir, "llama": llama_dir}[which], device="cpu", dtype=dtype)
+    """In each dtype: the scan's reading (capture_ffn) is, to the bit, the input of the down projection in a
+    separately loaded plain HF model; the bridge's hook_post is the very tensor its wrapped down projection
+    receives, and agrees with the plain HF forward to the dtype's rounding."""
+    from transformers import AutoModelForCausalLM
+
+    path = {"gpt2": gpt2_dir, "llama": llama_dir}[which]
+    model = kvmem.load_model(path, device="cpu", dtype=dtype)
     assert model.dtype == getattr(torch, dtype) and model.device == "cpu"
     assert {p.dtype for p in model.hf_model.parameters()} == {getattr(torch, dtype)}
     layer = 1
-    down = model._module(f"{model.spec.layers}.{layer}.{model.spec.mlp}.{model.spec.value}")
+    ids = torch.tensor([model.encode("Half precision must read the same coefficients.")])
+    path_down = f"{model.spec.layers}.{layer}.{model.spec.mlp}.{model.spec.value}"
+
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=model.attention)
+    oracle = []
+    handle = plain.get_submodule(path_down).register_forward_pre_hook(lambda m, args: oracle.append(args[0].clone()))
+    with torch.no_grad():
+        plain(input_ids=ids, use_cache=False)
+    handle.remove()
+    assert oracle[0].dtype == getattr(torch, dtype)
+
+    scanned = []
+    capture_ffn(model, ids, [(layer, "post")], lambda layer, site, m: scanned.append(m.clone()))
+    assert scanned[0].dtype == getattr(torch, dtype) and torch.equal(scanned[0], oracle[0])
+
+    down = model._module(path_down)
+    down = getattr(down, "original_component", down)  # the HF module, whether or not the bridge wraps it yet
     seen = []
     handle = down.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
-    ids = torch.tensor([model.encode("Half precision must read the same coefficients.")])
     try:
         name = model.hook_name(layer, "post")
-        got = capture(model, ids, [name])[name]  # [1, pos, d_ff] float32
-        with torch.no_grad():
-            model.hf_model(input_ids=ids)  # a plain HF forward
+        got = capture(model, ids, [name], stop_early=False)[name]  # [1, pos, d_ff] float32
     finally:
         handle.remove()
     assert seen[0].dtype == getattr(torch, dtype) and got.shape == (1, ids.shape[1], model.d_ff)
     assert torch.equal(got, seen[0].float())  # the very tensor the down projection received
     tolerance = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 5e-3}[dtype]
-    torch.testing.assert_close(got, seen[1].float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got, oracle[0].float(), atol=tolerance, rtol=tolerance)
     assert torch.isfinite(got).all()
 
 

@@ -379,13 +379,22 @@ def samples_table(state) -> pa.Table | None:
     })
 
 
+def _installed_version(distribution: str) -> str:
+    """A package's installed version without importing it (TransformerLens takes seconds to import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, timing: dict,
                    *, backend: str, projection_method: str | None = None) -> Manifest:
     """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned.
     ``projection_method``: the method that computed the projection tables (see
     :mod:`kvmem.scanning.projection_screen`)."""
     import torch
-    import transformer_lens
     import transformers
 
     from kvmem import __version__
@@ -416,6 +425,6 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
         timing=timing,
         engine={"backend": backend, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
         environment={"torch": torch.__version__, "transformers": transformers.__version__,
-                     "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
+                     "transformer_lens": _installed_version("transformer-lens"),
                      "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
     )
