@@ -67,6 +67,14 @@ MUTATIONS = [
              ("tests/test_state_merge.py",)),
     Mutation("pack wraps around past 2^32 positions", "kvmem/plan.py",
              "    _check_packable(doc, pos)\n", "", ("tests/test_inputs.py",), "pack"),
+    Mutation("fused gate/up halves swapped in the scan's reading", "kvmem/models.py",
+             '"pre": (spec.gate or spec.key, "output", 0 if spec.fused_gate_up else None)',
+             '"pre": (spec.gate or spec.key, "output", 1 if spec.fused_gate_up else None)',
+             ("tests/test_capture_ffn.py",), "phi3"),
+    Mutation("the scan's view keeps the bridge's eager attention", "kvmem/unbridged.py",
+             "if isinstance(copied, PretrainedConfig) and attention is not None:",
+             "if isinstance(copied, PretrainedConfig) and attention is None:",
+             ("tests/test_capture_ffn.py",), "shares"),
 ]
 
 

@@ -77,8 +77,13 @@ def test_capture_ffn_equals_a_plain_hf_model(row_name, tokenizer, tmp_path):
     ids = _batch(model)
     sites = [(layer, site) for layer in range(model.n_layers)
              for site in (("post", "pre", "pre_linear") if model.gated else ("post",))]
+    # the bridge first, so that the view is built from the module tree the bridge has wrapped
+    names = {key: model.hook_name(*key) for key in sites}
+    bridge = capture(model, ids, list(names.values()), stop_early=False)
+    assert model.hf_model.config._attn_implementation == "eager"  # forced by the bridge
     got: dict[tuple[int, str], torch.Tensor] = {}
     capture_ffn(model, ids, sites, lambda layer, site, tensor: got.__setitem__((layer, site), tensor.clone()))
+    assert model.unbridged.config._attn_implementation == model.attention
 
     want = _oracle(row, tmp_path, model.attention, ids)
     assert set(got) == set(sites) and set(want) >= set(sites)
@@ -87,8 +92,6 @@ def test_capture_ffn_equals_a_plain_hf_model(row_name, tokenizer, tmp_path):
         assert torch.equal(got[key], want[key].reshape(got[key].shape)), key  # OPT flattens tokens inside
 
     # the bridge (its own eager attention) agrees to float32 rounding
-    names = {key: model.hook_name(*key) for key in sites}
-    bridge = capture(model, ids, list(names.values()), stop_early=False)
     for key, name in names.items():
         torch.testing.assert_close(got[key], bridge[name], atol=1e-5, rtol=1e-4)
 
@@ -131,6 +134,12 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
     with pytest.raises(RuntimeError, match="callback failed"):
         capture_ffn(model, _batch(model), [(0, "post")], fail)
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in view.modules()) == 0
+
+    # a view built after the bridge booted: HF's modules again, and HF's attention, not the bridge's eager
+    booted = kvmem.load_model(tmp_path, device="cpu")
+    assert booted.bridge is not None and booted.hf_model.config._attn_implementation == "eager"
+    assert booted.unbridged.config._attn_implementation == "sdpa"
+    assert not [type(m) for m in booted.unbridged.modules() if type(m).__module__.startswith("transformer_lens")]
 
     with pytest.raises(KvmemError, match="pre_linear"):
         ROWS_GPT2 = ROWS["gpt2"]
