@@ -141,10 +141,10 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
     assert booted.unbridged.config._attn_implementation == "sdpa"
     assert not [type(m) for m in booted.unbridged.modules() if type(m).__module__.startswith("transformer_lens")]
 
-    with pytest.raises(KvmemError, match="pre_linear"):
-        ROWS_GPT2 = ROWS["gpt2"]
-        _build("gpt2", ROWS_GPT2, tmp_path / "gpt2", tokenizer)
-        kvmem.load_model(tmp_path / "gpt2", device="cpu").ffn_site(0, "pre_linear")
+    _build("gpt2", ROWS["gpt2"], tmp_path / "gpt2", tokenizer)
+    plain_ffn = kvmem.load_model(tmp_path / "gpt2", device="cpu")
+    with pytest.raises(KvmemError, match="pre_linear"):  # a plain FFN has no up pre-activation apart from W1 x
+        plain_ffn.ffn_site(0, "pre_linear")
 
 
 SCAN_WITHOUT_THE_BRIDGE = """
