@@ -137,6 +137,34 @@ def test_bin_samples_equal_brute_force(backend):
             np.testing.assert_array_equal(state.bins.values[neuron, b, :chosen.size].numpy(), acts[chosen, neuron])
 
 
+@pytest.mark.parametrize("backend", [NUMBA, TORCH], ids=["numba", "torch"])
+def test_window_context_equals_brute_force(backend):
+    """Entry i reads neuron neurons[i] at rows rows[i] + step, NaN wherever that row leaves the
+    entry's own window (windows of uneven lengths, entries at both edges, repeated entries, none)."""
+    rng = np.random.default_rng(5)
+    lengths = [1, 7, 3, 12, 2]
+    n, d_ff = sum(lengths), 9
+    acts = special_values(rng, n, d_ff)
+    first = np.repeat(np.cumsum([0] + lengths[:-1]), lengths)
+    end = first + np.repeat(lengths, lengths)
+    steps = np.arange(-4, 5)
+    rows = np.concatenate([np.arange(n), rng.integers(0, n, 40)])
+    neurons = rng.integers(0, d_ff, len(rows))
+    want = np.full((len(rows), len(steps)), np.nan, np.float32)
+    for i, (row, neuron) in enumerate(zip(rows, neurons)):
+        for j, step in enumerate(steps):
+            if first[row] <= row + step < end[row]:
+                want[i, j] = acts[row + step, neuron]
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+    got = backend.window_context(torch.from_numpy(acts), as_tensor(rows), as_tensor(neurons), as_tensor(steps),
+                                 as_tensor(first), as_tensor(end))
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got.numpy().view(np.int32), want.view(np.int32))  # the bits, -0.0 and NaN included
+    empty = backend.window_context(torch.from_numpy(acts), as_tensor([]), as_tensor([]), as_tensor(steps),
+                                   as_tensor(first), as_tensor(end))
+    assert empty.shape == (0, len(steps))
+
+
 def test_compiled_key_hash_equals_position_keys():
     """The kernel's splitmix64 (in uint64) and position_keys (in int64 torch ops) agree, seeds included."""
     codes = torch.tensor([0, 1, 5, (7 << 32) | 3, (1 << 40) + 12345, (1 << 62) - 1])

@@ -72,11 +72,15 @@ class Side:
     @property
     def context(self) -> Tensor:
         """[k, F, C] (materialised from the pool)."""
-        return self._pool[self.slots]
+        return self._gather(self.slots)
 
     def neuron_context(self) -> Tensor:
         """[F, k, C]: the context rows neuron by neuron (one gather from the pool, no transpose copy)."""
-        return self._pool[self.slots.T]
+        return self._gather(self.slots.T)
+
+    def _gather(self, slots: Tensor) -> Tensor:
+        """Pool rows at ``slots`` [*S] -> [*S, C]; a flat ``index_select`` (advanced indexing: 2-3 times slower)."""
+        return self._pool.index_select(0, slots.reshape(-1)).view(*slots.shape, self.width)
 
     @property
     def width(self) -> int:

@@ -28,7 +28,7 @@ from kvmem.scanning.backends import Backend, ContextFn
 from kvmem.scanning.rules import EMPTY, position_keys
 from kvmem.scanning.state import LayerState, ScanState, add_into
 
-__all__ = ["BatchRows", "BatchStep", "Positions", "fold_batch", "close_open_document", "window_context"]
+__all__ = ["BatchRows", "BatchStep", "Positions", "fold_batch", "close_open_document"]
 
 
 class Positions(NamedTuple):
@@ -45,21 +45,6 @@ class Positions(NamedTuple):
         index = torch.cat([torch.arange(n, dtype=torch.float32) for n in lengths]) if lengths else torch.empty(0)
         return cls(index.to(device), sum(n * (n - 1) // 2 for n in lengths),
                    sum((n - 1) * n * (2 * n - 1) // 6 for n in lengths))
-
-
-def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor, end: Tensor) -> Tensor:
-    """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps`` -> [c, len(steps)] float32,
-    NaN where that row lies outside the row's window (``first[row] <= row + step < end[row]``).
-
-    acts [N, F]; rows, neurons [c]; steps [C]; first, end [N] each row's window bounds in acts.
-    (A flat ``index_select``: advanced indexing of acts costs several times as much.)
-    """
-    n, d_ff = acts.shape
-    around = rows[:, None] + steps[None, :]  # [c, C]
-    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
-    flat = around.clamp_(0, n - 1).mul_(d_ff).add_(neurons[:, None])
-    got = acts.view(-1).index_select(0, flat.view(-1)).view(flat.shape)
-    return got.masked_fill_(~inside, float("nan"))
 
 
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
@@ -224,7 +209,8 @@ class BatchStep:
         gate_up = None if pre is None else (pre["pre"], pre["pre_linear"])
 
         def context_fn(at: Tensor, neurons: Tensor) -> Tensor:  # [c, C (+ gate, up)]
-            parts = [window_context(acts, at, neurons, rows.steps, rows.low, rows.high)] if self.with_context else []
+            parts = ([self.backend.window_context(acts, at, neurons, rows.steps, rows.low, rows.high)]
+                     if self.with_context else [])
             if gate_up is not None:
                 flat = at * d_ff + neurons
                 parts += [part.view(-1).index_select(0, flat)[:, None] for part in gate_up]

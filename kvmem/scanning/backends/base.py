@@ -39,6 +39,14 @@ class Backend:
     def prepare(self) -> None:
         """Load what the backend needs before the stream (compiled kernels); nothing by default."""
 
+    def window_context(self, acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor,
+                       end: Tensor) -> Tensor:
+        """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps`` -> [c, len(steps)] float32, NaN
+        where that row lies outside the row's window (``first[row] <= row + step < end[row]``).
+        acts [N, F]; rows, neurons [c]; steps [C]; first, end [N] each row's window bounds in acts.
+        Every backend returns the same bits (values are copied, never computed)."""
+        raise NotImplementedError
+
     def statistics(self, acts: Tensor, histogram: Tensor, positive: Tensor) -> BatchStatistics:
         """Add the batch's per-neuron histogram into ``histogram`` [F, HIST_BINS] int64 and its
         #{m > 0} into ``positive`` [F] int64; return the block extremes and the sums. Sums may differ

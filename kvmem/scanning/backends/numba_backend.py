@@ -61,6 +61,19 @@ class NumbaBackend(TorchBackend):
         rows = torch.arange(4)
         self.bin_sample(state.bins, acts, rows, keys_or_none(codes, 0), codes)
         self.quadrant_counts(torch.zeros(4, 4, dtype=torch.int64), acts, -acts)
+        self.window_context(acts, rows[:2], rows[1:3], torch.arange(-1, 2), torch.zeros(4, dtype=torch.int64),
+                            torch.full((4,), 4))
+
+    def window_context(self, acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor,
+                       end: Tensor) -> Tensor:
+        """One pass over the entries, spread over the cores (the torch path builds five [c, C] index arrays)."""
+        self._threads()
+        out = torch.empty((rows.shape[0], steps.shape[0]), dtype=torch.float32)
+        if rows.shape[0]:
+            self._kernels.window_context(acts.contiguous().numpy(), rows.contiguous().numpy(),
+                                         neurons.contiguous().numpy(), steps.contiguous().numpy(),
+                                         first.contiguous().numpy(), end.contiguous().numpy(), out.numpy())
+        return out
 
     @torch.inference_mode()
     def statistics(self, acts: Tensor, histogram: Tensor, positive: Tensor) -> BatchStatistics:

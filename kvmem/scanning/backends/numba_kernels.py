@@ -15,7 +15,7 @@ import numpy as np
 from kvmem.scanning.histogram import HIST_BINS, bin_of_code
 from kvmem.scanning.rules import key_of
 
-__all__ = ["statistics", "side_insert", "document_insert", "bin_insert", "quadrant_counts"]
+__all__ = ["statistics", "side_insert", "document_insert", "bin_insert", "quadrant_counts", "window_context"]
 
 _STRIP = 128  # neurons per strip: one strip's histogram (64 x 128 int32) stays in L1
 _bin = numba.njit(inline="always")(bin_of_code)
@@ -213,3 +213,15 @@ def quadrant_counts(gate, up, counts):  # pragma: no cover - compiled
             counts[1, f0 + i] += gate_on[i] - both[i]
             counts[2, f0 + i] += up_on[i] - both[i]
             counts[3, f0 + i] += n - gate_on[i] - up_on[i] + both[i]
+
+
+@numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def window_context(acts, rows, neurons, steps, first, end, out):  # pragma: no cover - compiled
+    n = acts.shape[0]
+    width = steps.shape[0]
+    for i in numba.prange(rows.shape[0]):
+        r, f = rows[i], neurons[i]
+        lo, hi = first[r], end[r]
+        for j in range(width):
+            a = r + steps[j]
+            out[i, j] = acts[a, f] if lo <= a and a < hi and 0 <= a < n else np.float32(np.nan)

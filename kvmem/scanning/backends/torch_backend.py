@@ -24,6 +24,16 @@ class TorchBackend(Backend):
 
     name = "torch"
 
+    def window_context(self, acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor,
+                       end: Tensor) -> Tensor:
+        """A flat ``index_select`` (advanced indexing of acts costs several times as much)."""
+        n, d_ff = acts.shape
+        around = rows[:, None] + steps[None, :]  # [c, C]
+        inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
+        flat = around.clamp_(0, n - 1).mul_(d_ff).add_(neurons[:, None])
+        got = acts.view(-1).index_select(0, flat.view(-1)).view(flat.shape)
+        return got.masked_fill_(~inside, float("nan"))
+
     @torch.inference_mode()  # the scratch buffers are inference tensors
     def statistics(self, acts: Tensor, histogram: Tensor, positive: Tensor) -> BatchStatistics:
         low, high = block_extremes(acts)
