@@ -75,6 +75,12 @@ MUTATIONS = [
              "if isinstance(copied, PretrainedConfig) and attention is not None:",
              "if isinstance(copied, PretrainedConfig) and attention is None:",
              ("tests/test_capture_ffn.py",), "shares"),
+    Mutation("the compiled window context reads the row before the window", "kvmem/scanning/backends/numba_kernels.py",
+             "out[i, j] = acts[a, f] if lo <= a and a < hi", "out[i, j] = acts[a, f] if lo - 1 <= a and a < hi",
+             ("tests/test_kernels.py",), "window_context"),
+    Mutation("the writer leaves torch on one thread", "kvmem/scanning/writer.py",
+             "    finally:\n        torch.set_num_threads(before)", "    finally:\n        pass",
+             ("tests/test_scan.py",), "torch_thread"),
 ]
 
 

@@ -49,13 +49,17 @@ def torch_threads(count: int):
 def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, *,
                 overwrite: bool, phases, backend: str, world: int = 1, keep_state: bool = False,
                 run: dict | None = None) -> None:
-    """Tables from a finished (merged) scan state, projections from the per-model cache, manifest last.
+    """Projections from the per-model cache, tables from a finished (merged) scan state, manifest last.
     ``backend``: the name of the streaming backend that produced the state.
 
     Each table is handed to the writer as soon as it is built, so the parquet encoding of one overlaps
     the building of the next (phase "texts": building, writing under way; "write": what is left)."""
     layers = state.layers
     with TableWriter(target, overwrite=overwrite) as out:
+        # the projections first: computed (a model's first scan, both cores) or found in the cache while no
+        # writer thread runs
+        with phases.phase("projections", total=len(layers)) as bar:
+            projections = cached_projection_files(model, layers, config, bar=bar)
         with phases.phase("texts", total=6) as bar:
             # The neurons table first, before any writer thread runs: its torch reductions over the weights
             # keep torch's threads. Then the samples, the longest to write, so its writing starts next.
@@ -71,8 +75,6 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                     if table is not None:  # no samples table when the scan kept none
                         out.add(name, table)
                     bar.update()
-        with phases.phase("projections", total=len(layers)) as bar:
-            projections = cached_projection_files(model, layers, config, bar=bar)
 
         def manifest() -> Manifest:
             timing = {"phases": phases.so_far(), "total_seconds": phases.elapsed(),
