@@ -64,10 +64,17 @@ class Side:
 
     @classmethod
     def empty(cls, k: int, d_ff: int, width: int, *, largest: bool, device) -> Side:
+        """A side with no entries: every slot is the NaN row, and the pool has room for the entries of the
+        first two batches (at most k·F each), unwritten: memory is touched only where a context is written,
+        and the pool is first compacted when the entries are sparse."""
         fill = float("-inf") if largest else float("inf")
-        return cls(torch.full((k, d_ff), fill, dtype=torch.float32, device=device),
-                   torch.full((k, d_ff), EMPTY, dtype=torch.int64, device=device),
-                   torch.full((k, d_ff, width), float("nan"), dtype=torch.float32, device=device), largest)
+        side = cls.__new__(cls)
+        side.values = torch.full((k, d_ff), fill, dtype=torch.float32, device=device)
+        side.codes = torch.full((k, d_ff), EMPTY, dtype=torch.int64, device=device)
+        side.largest, side.full = largest, False
+        side._pool, side._used = _pool_with_room(1 + 2 * k * d_ff, width, device), 1
+        side.slots = torch.zeros((k, d_ff), dtype=torch.int64, device=device)
+        return side
 
     @property
     def context(self) -> Tensor:
@@ -108,10 +115,18 @@ class Side:
         """Keep only the rows kept entries point to (row 0 stays the NaN row); make room for ``room`` more."""
         live = self.slots.reshape(-1)
         size = 1 + 2 * live.numel() + room  # shrinks again after the dense first batches
-        pool = torch.full((size, self.width), float("nan"), dtype=torch.float32, device=self._pool.device)
+        pool = _pool_with_room(size, self.width, self._pool.device)
         pool[1:1 + live.numel()] = self._pool[live]
         self.slots = torch.arange(1, 1 + live.numel(), device=live.device).view_as(self.slots)
         self._pool, self._used = pool, 1 + live.numel()
+
+
+def _pool_with_room(rows: int, width: int, device) -> Tensor:
+    """A context pool [rows, width] float32 whose row 0 is NaN (the row of empty entries); the other rows
+    are left unwritten: :meth:`Side.add_context` writes each before any slot names it."""
+    pool = torch.empty((rows, width), dtype=torch.float32, device=device)
+    pool[0] = float("nan")
+    return pool
 
 
 def merge_sides(a: Side, b: Side) -> Side:
