@@ -133,3 +133,42 @@ def test_row_groups_hold_one_layers_neurons_with_their_statistics(tmp_path):
     r = ROW_GROUP_NEURONS
     assert spans == [(3, 0, r), (3, r, r), (3, 2 * r, 5), (7, 0, r), (7, r, r), (7, 2 * r, 5)]
     assert pq.read_table(tmp_path / "t.parquet").equals(table)
+
+
+def test_a_table_written_layer_by_layer_is_the_same_file(tmp_path):
+    """LayerParts (the scan's writer threads take the large tables a layer at a time): the parts, an
+    empty one among them, give the bytes of write_parquet of the whole table; a table of no rows is one
+    empty row group, as write_parquet writes it; no part at all writes no file."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from kvmem.scanning.parquet import LayerParts, write_parquet
+    from kvmem.schema import ROW_GROUP_NEURONS
+
+    d_ff = ROW_GROUP_NEURONS + 3
+    layer = np.repeat(np.array([0, 2, 5], np.int16), d_ff)
+    neuron = np.tile(np.arange(d_ff, dtype=np.int32), 3)
+    table = pa.table({"layer": layer, "neuron": neuron, "kind": pa.array(["top", "bottom", "top"] * d_ff),
+                      "activation": np.linspace(-1, 1, len(layer), dtype=np.float32),
+                      "doc": np.arange(len(layer), dtype=np.int64) // 5,
+                      "context": pa.array([[float(i), float(i) + 0.5][:i % 3] for i in range(len(layer))],
+                                          pa.large_list(pa.float32()))})
+    write_parquet(tmp_path / "whole.parquet", table)
+    with LayerParts(tmp_path / "parts.parquet") as out:
+        for value in (0, 2, 5):
+            out.write(table.filter(pc.equal(table["layer"], value)))
+            out.write(table.slice(0, 0))
+    assert (tmp_path / "parts.parquet").read_bytes() == (tmp_path / "whole.parquet").read_bytes()
+    assert pq.ParquetFile(tmp_path / "parts.parquet").metadata.num_row_groups == 6
+
+    write_parquet(tmp_path / "empty_whole.parquet", table.slice(0, 0))
+    with LayerParts(tmp_path / "empty_parts.parquet") as out:
+        out.write(table.slice(0, 0))
+        out.write(table.slice(0, 0))
+    assert (tmp_path / "empty_parts.parquet").read_bytes() == (tmp_path / "empty_whole.parquet").read_bytes()
+    assert pq.read_table(tmp_path / "empty_parts.parquet").num_rows == 0
+
+    with LayerParts(tmp_path / "none.parquet"):
+        pass
+    assert not (tmp_path / "none.parquet").exists()

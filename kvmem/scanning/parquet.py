@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from kvmem.schema import ROW_GROUP_NEURONS
 
-__all__ = ["write_parquet"]
+__all__ = ["write_parquet", "LayerParts"]
 
 
 def _dictionary_columns(schema: pa.Schema) -> list[str]:
@@ -63,17 +63,66 @@ def write_parquet(path: Path, table: pa.Table) -> None:
     column statistics for layer and neuron only: readers find a neuron's row group by them
     (:class:`kvmem.atlas.Atlas`, pyarrow's ``filters``), and statistics of every other column of
     every row group cost a quarter of the writing time."""
-    options = dict(compression=_compression(table.schema), use_dictionary=_dictionary_columns(table.schema) or False,
-                   column_encoding=_encodings(table.schema) or None)
     if "layer" not in table.column_names:
-        pq.write_table(table, path, row_group_size=1 << 16, **options)
+        pq.write_table(table, path, row_group_size=1 << 16, **_options(table.schema))
         return
-    layer = table.column("layer").to_numpy().astype(np.int64)
-    neuron = table.column("neuron").to_numpy().astype(np.int64)
-    group = layer * (1 << 24) + neuron // ROW_GROUP_NEURONS
-    cuts = np.flatnonzero(np.diff(group)) + 1 if len(group) else np.array([], np.int64)
-    bounds = [0, *cuts.tolist(), len(group)]
-    with pq.ParquetWriter(path, table.schema, write_statistics=["layer", "neuron"], **options) as writer:
+    with LayerParts(path) as out:
+        out.write(table)
+
+
+def _options(schema: pa.Schema) -> dict:
+    return dict(compression=_compression(schema), use_dictionary=_dictionary_columns(schema) or False,
+                column_encoding=_encodings(schema) or None)
+
+
+class LayerParts:
+    """A table with layer and neuron columns written part by part, parts in table order (each part
+    whole layers, or the whole table): the same file as :func:`write_parquet` of the parts joined.
+
+        with LayerParts(path) as out:
+            for part in parts:  # pa.Tables of one schema
+                out.write(part)
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._writer: pq.ParquetWriter | None = None
+        self._schema: pa.Schema | None = None
+        self._rows = 0
+
+    def __enter__(self) -> LayerParts:
+        return self
+
+    def write(self, table: pa.Table) -> None:
+        if self._schema is None:
+            self._schema = table.schema
+        if len(table) == 0:
+            return
+        layer = table.column("layer").to_numpy().astype(np.int64)
+        neuron = table.column("neuron").to_numpy().astype(np.int64)
+        group = layer * (1 << 24) + neuron // ROW_GROUP_NEURONS
+        cuts = np.flatnonzero(np.diff(group)) + 1
+        bounds = [0, *cuts.tolist(), len(group)]
         for start, stop in zip(bounds[:-1], bounds[1:]):
-            if stop > start or len(group) == 0:
-                writer.write_table(table.slice(start, stop - start), row_group_size=max(stop - start, 1))
+            self._open().write_table(table.slice(start, stop - start), row_group_size=stop - start)
+        self._rows += len(table)
+
+    def _open(self) -> pq.ParquetWriter:
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, self._schema, write_statistics=["layer", "neuron"],
+                                            **_options(self._schema))
+        return self._writer
+
+    def close(self) -> None:
+        """Finish the file; a table of no rows is one empty row group. Nothing is written without a part."""
+        if self._schema is None:
+            return
+        if self._rows == 0:
+            self._open().write_table(self._schema.empty_table(), row_group_size=1)
+        self._open().close()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None:
+            self.close()
+        elif self._writer is not None:
+            self._writer.close()  # the caller discards the file (an atlas is staged, see kvmem.atomic)

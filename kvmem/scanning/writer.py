@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,14 +22,14 @@ from kvmem.plan import TokenPlan, unpack
 from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
-from kvmem.scanning.parquet import write_parquet
+from kvmem.scanning.parquet import LayerParts, write_parquet
 from kvmem.scanning.projection import cached_projection_files
 from kvmem.scanning.state import QUADRANTS, LayerState, ScanState
 from kvmem.scanning.texts import context_columns
 from kvmem.schema import FORMAT_VERSION, TRIGGER_KINDS, conform
 
-__all__ = ["write_atlas", "TableWriter", "build_manifest", "neurons_table", "histograms_table", "triggers_table",
-           "samples_table", "contexts_table", "unigrams_table", "STATE_DIR"]
+__all__ = ["write_atlas", "TableWriter", "TableStream", "build_manifest", "neurons_table", "histograms_table",
+           "trigger_part", "sample_part", "has_samples", "contexts_table", "unigrams_table", "STATE_DIR"]
 
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
 
@@ -62,18 +63,26 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
             projections = cached_projection_files(model, layers, config, bar=bar)
         with phases.phase("texts", total=6) as bar:
             # The neurons table first, before any writer thread runs: its torch reductions over the weights
-            # keep torch's threads. Then the samples, the longest to write, so its writing starts next.
+            # keep torch's threads.
             out.add("neurons", neurons_table(model, layers, state.layer_states))
             bar.update()
             with torch_threads(1):  # gathers and copies only; torch's workers would wait on the writers' cores
-                for name, build in (("samples", lambda: samples_table(state)), ("triggers", lambda: triggers_table(state)),
-                                    ("contexts", lambda: contexts_table(model, config, plan, state,
+                # the two large tables go to their writer threads layer by layer, so writing starts at once
+                samples = out.stream("samples") if has_samples(state) else None
+                triggers = out.stream("triggers")
+                for layer in layers:
+                    if samples is not None:
+                        samples.put(sample_part(layer, state.layer_states[layer]))
+                    triggers.put(trigger_part(layer, state.layer_states[layer]))
+                for stream in (samples, triggers):
+                    if stream is not None:
+                        stream.close()
+                bar.update(2)
+                for name, build in (("contexts", lambda: contexts_table(model, config, plan, state,
                                                                         state.kept_positions())),
                                     ("histograms", lambda: histograms_table(layers, state.layer_states)),
                                     ("unigrams", lambda: unigrams_table(state))):
-                    table = build()
-                    if table is not None:  # no samples table when the scan kept none
-                        out.add(name, table)
+                    out.add(name, build())
                     bar.update()
 
         def manifest() -> Manifest:
@@ -96,12 +105,17 @@ class TableWriter:
     without error: a crash leaves no half atlas (:func:`kvmem.atomic.staged_directory`).
 
     ``add(name, table)`` starts writing a table at once, in one of two threads (parquet encoding and
-    compression release the GIL), so callers build the next table meanwhile; ``finish`` waits for them,
-    keeps the scan state of a shard atlas, and writes the manifest last. An existing ``target`` is
-    refused (FileExistsError) unless ``overwrite``.
+    compression release the GIL), so callers build the next table meanwhile; ``stream(name)`` does the
+    same for a table handed over in parts (whole layers, in table order), each written as it comes;
+    ``finish`` waits for them, keeps the scan state of a shard atlas, and writes the manifest last. An
+    existing ``target`` is refused (FileExistsError) unless ``overwrite``.
 
         with TableWriter(path, overwrite=False) as out:
             out.add("neurons", table)
+            triggers = out.stream("triggers")
+            for part in parts:
+                triggers.put(part)
+            triggers.close()
             out.finish(manifest)
     """
 
@@ -110,6 +124,7 @@ class TableWriter:
         if self.target.exists() and not overwrite:
             raise FileExistsError(self.target)
         self._futures: list = []
+        self._streams: list[TableStream] = []
 
     def __enter__(self) -> TableWriter:
         self._stage = staged_directory(self.target)
@@ -120,6 +135,14 @@ class TableWriter:
     def add(self, name: str, table: pa.Table) -> None:
         """Write ``table`` as ``name.parquet`` (checked against :data:`kvmem.schema.COLUMNS`), in a thread."""
         self._futures.append(self._pool.submit(write_parquet, self.directory / f"{name}.parquet", conform(table, name)))
+
+    def stream(self, name: str) -> TableStream:
+        """A table written part by part in a thread as :meth:`TableStream.put` hands the parts over; the same
+        file as ``add`` of the parts joined. Close it (:meth:`TableStream.close`) before ``finish``."""
+        stream = TableStream(name)
+        self._streams.append(stream)
+        self._futures.append(self._pool.submit(stream.drain, self.directory / f"{name}.parquet"))
+        return stream
 
     def link(self, name: str, source: str | os.PathLike) -> None:
         """Link (or copy) an already written parquet file in as ``name.parquet``."""
@@ -136,10 +159,40 @@ class TableWriter:
         (manifest() if callable(manifest) else manifest).write(self.directory / "manifest.json")
 
     def __exit__(self, kind, error, traceback) -> bool | None:
+        for stream in self._streams:  # a failed build leaves a stream open: let its thread end
+            stream.close()
         for future in self._futures:
             future.cancel()
         self._pool.shutdown(wait=True)  # no thread writes into the directory once it is renamed or removed
         return self._stage.__exit__(kind, error, traceback)
+
+
+class TableStream:
+    """The parts of one table on their way to its writer thread (see :meth:`TableWriter.stream`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._parts: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+
+    def put(self, part: pa.Table | None) -> None:
+        """Hand over the next part (rows of whole layers, in table order); None: nothing for this layer."""
+        if self._closed:
+            raise ValueError(f"table stream {self.name!r} is closed")
+        if part is not None:
+            self._parts.put(part)
+
+    def close(self) -> None:
+        """No more parts (idempotent): the thread finishes the file."""
+        if not self._closed:
+            self._closed = True
+            self._parts.put(None)
+
+    def drain(self, path: Path) -> None:
+        """Run in a writer thread: write each part as it comes, until :meth:`close`."""
+        with LayerParts(path) as out:
+            while (part := self._parts.get()) is not None:
+                out.write(conform(part, self.name))
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -306,30 +359,23 @@ def _list_column(matrix: np.ndarray, *, at: np.ndarray | None = None, rows: int 
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))
 
 
-def _doc_pos(parts: list[dict]) -> dict[str, pa.ChunkedArray]:
-    """The doc and pos columns from each part's packed codes (:func:`kvmem.plan.unpack`)."""
-    pairs = [unpack(part["code"]) for part in parts]
-    return {"doc": pa.chunked_array([pa.array(doc) for doc, _ in pairs], pa.int64()),
-            "pos": pa.chunked_array([pa.array(pos.astype(np.int32)) for _, pos in pairs], pa.int32())}
+def _doc_pos(part: dict) -> dict[str, np.ndarray]:
+    """The doc and pos columns from a part's packed codes (:func:`kvmem.plan.unpack`)."""
+    doc, pos = unpack(part["code"])
+    return {"doc": pa.array(doc, pa.int64()), "pos": pa.array(pos.astype(np.int32), pa.int32())}
 
 
-def _chunked(parts: list[dict], name: str, kind=None) -> pa.ChunkedArray:
-    return pa.chunked_array([pa.array(part[name], kind) for part in parts], kind)
-
-
-def triggers_table(state) -> pa.Table:
-    """One row per kept trigger, sorted by (layer, neuron, kind, rank); its text is the row (doc, pos)
-    of the contexts table. Columns are chunked by layer (no whole-table copies)."""
-    parts = [_trigger_layer(layer, state.layer_states[layer]) for layer in state.layers]
-    kinds = pa.array(TRIGGER_KINDS, pa.string())
+def trigger_part(layer: int, state: LayerState) -> pa.Table:
+    """The triggers table's rows of one layer: one row per kept trigger, sorted by (neuron, kind, rank);
+    its text is the row (doc, pos) of the contexts table. The table is these parts in layer order."""
+    part = _trigger_layer(layer, state)
     return pa.table({
-        "layer": _chunked(parts, "layer"), "neuron": _chunked(parts, "neuron"),
-        "kind": pa.chunked_array([pc.take(kinds, pa.array(p["kind"])) for p in parts], pa.string()),
-        "rank": _chunked(parts, "rank"), "activation": _chunked(parts, "activation", pa.float32()),
-        **_doc_pos(parts),
-        "context_activations": pa.chunked_array([_list_column(p["context"]) for p in parts],
-                                                pa.large_list(pa.float32())),
-        "gate_pre": _chunked(parts, "gate_pre", pa.float32()), "up_pre": _chunked(parts, "up_pre", pa.float32()),
+        "layer": part["layer"], "neuron": part["neuron"],
+        "kind": pc.take(pa.array(TRIGGER_KINDS, pa.string()), pa.array(part["kind"])),
+        "rank": part["rank"], "activation": pa.array(part["activation"], pa.float32()),
+        **_doc_pos(part),
+        "context_activations": _list_column(part["context"]),
+        "gate_pre": pa.array(part["gate_pre"], pa.float32()), "up_pre": pa.array(part["up_pre"], pa.float32()),
     })
 
 
@@ -382,21 +428,23 @@ def _sample_layer(layer: int, s: LayerState) -> dict[str, np.ndarray] | None:
     return out
 
 
-def samples_table(state) -> pa.Table | None:
-    """One row per sampled coefficient (None when the scan kept no samples), sorted by (layer, neuron,
-    kind (random, then bin), bin, rank); text as for triggers. Columns are chunked by layer."""
-    parts = [part for layer in state.layers if (part := _sample_layer(layer, state.layer_states[layer])) is not None]
-    if not parts:
+def has_samples(state: ScanState) -> bool:
+    """Whether the scan kept samples (else the atlas has no samples table)."""
+    return any(s.random is not None or s.bins is not None for s in state.layer_states.values())
+
+
+def sample_part(layer: int, s: LayerState) -> pa.Table | None:
+    """The samples table's rows of one layer (None without samples): one row per sampled coefficient,
+    sorted by (neuron, kind (random, then bin), bin, rank); text as for triggers."""
+    part = _sample_layer(layer, s)
+    if part is None:
         return None
-    kinds = pa.array(["random", "bin"], pa.string())
     return pa.table({
-        "layer": _chunked(parts, "layer"), "neuron": _chunked(parts, "neuron"),
-        "kind": pa.chunked_array([pc.take(kinds, pa.array(p["kind"])) for p in parts], pa.string()),
-        "bin": _chunked(parts, "bin"), "rank": _chunked(parts, "rank"),
-        "activation": _chunked(parts, "activation", pa.float32()),
-        **_doc_pos(parts),
-        "context_activations": pa.chunked_array([_list_column(p["context"], at=p["context_at"], rows=len(p["code"]))
-                                                 for p in parts], pa.large_list(pa.float32())),
+        "layer": part["layer"], "neuron": part["neuron"],
+        "kind": pc.take(pa.array(["random", "bin"], pa.string()), pa.array(part["kind"])),
+        "bin": part["bin"], "rank": part["rank"], "activation": pa.array(part["activation"], pa.float32()),
+        **_doc_pos(part),
+        "context_activations": _list_column(part["context"], at=part["context_at"], rows=len(part["code"])),
     })
 
 
