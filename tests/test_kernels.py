@@ -111,6 +111,34 @@ def test_compiled_state_equals_torch_state(shuffled, integer):
             assert torch.equal(compiled[name].nan_to_num(123.0), want.nan_to_num(123.0)), name
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_dense_first_batch_keeps_the_brute_force_sides(ordered):
+    """A first batch of many more blocks than k, into empty sides: the kept entries are the k first by the
+    tie rule (value, then the lowest code), with heavy ties, as numpy sorts them, on both backends, and
+    each entry's context is its own."""
+    rng = np.random.default_rng(3 + ordered)
+    n, d_ff, k = 1000, 40, 6
+    acts = torch.from_numpy(rng.integers(-3, 4, (n, d_ff)).astype(np.float32))
+    acts[:, 0] = torch.from_numpy(rng.standard_normal(n).astype(np.float32))  # and one neuron without ties
+    codes = torch.arange(n, dtype=torch.int64) * 7 + 100
+    if not ordered:
+        codes = codes[torch.from_numpy(rng.permutation(n))]
+    context_fn = lambda rows, neurons: torch.stack([codes[rows].float(), neurons.float()], dim=1)  # noqa: E731
+    states = {}
+    for backend in (NUMBA, TORCH):
+        states[backend.name] = state = new_layer_state(d_ff, k, per_document=False, context_width=2)
+        fold_batch(backend, state, acts, codes, context_fn, ordered=ordered)
+    for name, largest in (("top", True), ("bottom", False)):
+        for neuron in range(d_ff):
+            values, order_codes = acts[:, neuron].numpy(), codes.numpy()
+            best = np.lexsort((order_codes, -values if largest else values))[:k]
+            for backend, state in states.items():
+                side = getattr(state, name)
+                np.testing.assert_array_equal(side.codes[:, neuron].numpy(), order_codes[best], err_msg=backend)
+                np.testing.assert_array_equal(side.values[:, neuron].numpy(), values[best], err_msg=backend)
+                np.testing.assert_array_equal(side.context[:, neuron, 0].numpy(), order_codes[best].astype(np.float32))
+
+
 @pytest.mark.parametrize("backend", [NUMBA, TORCH], ids=["numba", "torch"])
 def test_bin_samples_equal_brute_force(backend):
     """Each (neuron, bin) keeps the q positions with the smallest (key, code) among those whose
