@@ -92,13 +92,14 @@ def main() -> None:
     atlas_mb = sum(f.stat().st_size for f in Path(out, "warm").iterdir()) / 1e6  # values/keys: linked from the cache
     shutil.rmtree(out, ignore_errors=True)
     bare_s, whole_s = statistics.median(bare), statistics.median(whole)
-    result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 1),
-              "scan_seconds": round(whole_s, 1), "ratio": round(bare_s / whole_s, 3),
+    result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "bare_seconds": round(bare_s, 2),
+              "scan_seconds": round(whole_s, 2), "ratio": round(bare_s / whole_s, 3),
+              "runs": {"bare": [round(x, 2) for x in bare], "scan": [round(x, 2) for x in whole]},
               "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
               "first_warm_scan": {"seconds": round(whole[0], 1), "phases": phases[0]},
               "backend": backend, "allocator": allocator, "atlas_mb": round(atlas_mb, 1),
               "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
-    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend, allocator {allocator}): whole scan {whole_s:.1f} s, bare forward {bare_s:.1f} s -> "
+    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend, allocator {allocator}): whole scan {whole_s:.2f} s, bare forward {bare_s:.2f} s -> "
           f"ratio {result['ratio']:.2f}; phases {result['phases']}"
           + f"; the first warm scan in the process {whole[0]:.1f} s {phases[0]}"
           + (f"; first scan with an empty projection cache {cold} s" if cold else ""))
