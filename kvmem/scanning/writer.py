@@ -395,19 +395,22 @@ def _sample_layer(layer: int, s: LayerState) -> dict[str, np.ndarray] | None:
     r = len(ranks)
     if s.bins is not None:
         bin_codes = s.bins.codes.cpu().numpy()  # [F, B, Q]
-        b_neuron, b_bin, b_rank = np.nonzero(bin_codes >= 0)  # in (neuron, bin, rank) order
-        per_neuron = np.bincount(b_neuron, minlength=d_ff)
+        kept = bin_codes >= 0
+        flat = np.flatnonzero(kept)  # the kept entries in (neuron, bin, rank) order, as flat indices
+        bins, q = bin_codes.shape[1:]
+        b_neuron, cell = np.divmod(flat, bins * q)
+        b_bin, b_rank = np.divmod(cell, q)
+        per_neuron = np.count_nonzero(kept.reshape(d_ff, -1), axis=1)
     else:
-        b_neuron = b_bin = b_rank = np.empty(0, np.int64)
+        flat = b_neuron = b_bin = b_rank = np.empty(0, np.int64)
         per_neuron = np.zeros(d_ff, np.int64)
-    rows = r + per_neuron  # [F] rows of each neuron
+    rows = r + per_neuron  # [F] rows of each neuron: its random rows, then its bin rows
     start = np.zeros(d_ff + 1, np.int64)
     np.cumsum(rows, out=start[1:])
     total = int(start[-1])
     random_at = (start[:-1, None] + np.arange(r)[None, :]).reshape(-1)  # [F * r], (neuron, rank) order
-    bin_base = np.zeros(d_ff + 1, np.int64)
-    np.cumsum(per_neuron, out=bin_base[1:])
-    bin_at = start[b_neuron] + r + np.arange(len(b_neuron)) - bin_base[b_neuron]
+    # the i-th kept bin entry follows the random rows of its neuron and of every neuron before it
+    bin_at = np.arange(len(flat)) + r * (b_neuron + 1)
 
     out = {"layer": np.full(total, layer, np.int16), "neuron": np.repeat(np.arange(d_ff, dtype=np.int32), rows),
            "kind": np.ones(total, np.int64), "bin": np.empty(total, np.int16), "rank": np.empty(total, np.int16),
@@ -423,8 +426,8 @@ def _sample_layer(layer: int, s: LayerState) -> dict[str, np.ndarray] | None:
     if len(b_neuron):
         out["bin"][bin_at] = b_bin
         out["rank"][bin_at] = b_rank
-        out["activation"][bin_at] = s.bins.values.cpu().numpy()[b_neuron, b_bin, b_rank]
-        out["code"][bin_at] = bin_codes[b_neuron, b_bin, b_rank]
+        out["activation"][bin_at] = s.bins.values.cpu().numpy().reshape(-1)[flat]
+        out["code"][bin_at] = bin_codes.reshape(-1)[flat]
     return out
 
 
