@@ -80,7 +80,7 @@ MUTATIONS = [
              ("tests/test_kernels.py",), "window_context"),
     Mutation("the writer leaves torch on one thread", "kvmem/scanning/writer.py",
              "    finally:\n        torch.set_num_threads(before)", "    finally:\n        pass",
-             ("tests/test_scan.py",), "torch_thread"),
+             ("tests/test_writer.py",), "torch_thread"),
 ]
 
 

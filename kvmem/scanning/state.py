@@ -53,10 +53,18 @@ class Side:
     backend asks the device at most until then.
     """
 
-    def __init__(self, values: Tensor, codes: Tensor, context: Tensor, largest: bool):
-        k, d_ff, width = context.shape
+    def __init__(self, values: Tensor, codes: Tensor, context: Tensor | None, largest: bool, *, width: int = 0):
+        """``context`` [k, F, C]; None for a side with no entries (``width`` = C): every slot is then the NaN
+        row, and the pool has room for the entries of the first two batches (at most k·F each), unwritten,
+        so memory is touched only where a context is written."""
+        k, d_ff = values.shape
         self.values, self.codes, self.largest = values, codes, largest
         self.full = False
+        if context is None:
+            self._pool, self._used = _pool_with_room(1 + 2 * k * d_ff, width, values.device), 1
+            self.slots = torch.zeros((k, d_ff), dtype=torch.int64, device=values.device)
+            return
+        width = context.shape[2]
         self._pool = torch.cat([torch.full((1, width), float("nan"), dtype=torch.float32, device=values.device),
                                 context.reshape(k * d_ff, width).float()])  # grows on the first add_context
         self._used = 1 + k * d_ff
@@ -64,17 +72,9 @@ class Side:
 
     @classmethod
     def empty(cls, k: int, d_ff: int, width: int, *, largest: bool, device) -> Side:
-        """A side with no entries: every slot is the NaN row, and the pool has room for the entries of the
-        first two batches (at most k·F each), unwritten: memory is touched only where a context is written,
-        and the pool is first compacted when the entries are sparse."""
         fill = float("-inf") if largest else float("inf")
-        side = cls.__new__(cls)
-        side.values = torch.full((k, d_ff), fill, dtype=torch.float32, device=device)
-        side.codes = torch.full((k, d_ff), EMPTY, dtype=torch.int64, device=device)
-        side.largest, side.full = largest, False
-        side._pool, side._used = _pool_with_room(1 + 2 * k * d_ff, width, device), 1
-        side.slots = torch.zeros((k, d_ff), dtype=torch.int64, device=device)
-        return side
+        return cls(torch.full((k, d_ff), fill, dtype=torch.float32, device=device),
+                   torch.full((k, d_ff), EMPTY, dtype=torch.int64, device=device), None, largest, width=width)
 
     @property
     def context(self) -> Tensor:
