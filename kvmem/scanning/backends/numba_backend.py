@@ -92,8 +92,10 @@ class NumbaBackend(TorchBackend):
 
     def stream_side(self, side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool,
                     extremes: Tensor) -> None:
-        """Each neuron walks the rows of the blocks whose extreme reaches its k-th value and inserts
-        every coefficient that beats it, in row order, so a position pushed out later in the same
+        """The neurons go in strips of one cache line, reading the rows in order. Each neuron has a bar
+        (its k-th kept value, raised to the k-th most extreme block extreme, which k rows of the batch
+        reach): blocks and rows under every bar of the strip are skipped, and a coefficient that reaches
+        its bar is inserted under the tie rule, in row order. A position pushed out later in the same
         batch never has its context read: only the entries still kept at the end are looked up."""
         self._threads()
         entered = _writable(side)

@@ -18,6 +18,7 @@ from kvmem.scanning.rules import key_of
 __all__ = ["statistics", "side_insert", "document_insert", "bin_insert", "quadrant_counts", "window_context"]
 
 _STRIP = 128  # neurons per strip: one strip's histogram (64 x 128 int32) stays in L1
+_LINE = 16  # neurons per strip of the candidate search: one cache line of float32 coefficients
 _bin = numba.njit(inline="always")(bin_of_code)
 _key = numba.njit(inline="always")(key_of)
 
@@ -65,49 +66,71 @@ def statistics(acts, rows_per_block, histogram, positive, total, total_sq, low, 
 
 
 @numba.njit(inline="always")
-def _insert(values, kept, slots, entered, v, c, mark, largest, ordered):  # pragma: no cover - compiled
-    """Insert (v, c) into one neuron's side, held as four contiguous [k] arrays (see :func:`_load`), if
+def _insert(values, kept, slots, entered, i, v, c, mark, largest, ordered):  # pragma: no cover - compiled
+    """Insert (v, c) into neuron i's side, held as row i of four [W, k] arrays (see :func:`_load`), if
     it enters: it beats the k-th value, or (out of order) ties it with a lower code. ``mark`` goes
     into ``entered`` at its rank."""
-    k = values.shape[0]
-    kth = values[k - 1]
+    k = values.shape[1]
+    kth = values[i, k - 1]
     if not (v > kth if largest else v < kth):
         # a tie enters only out of order, by a lower code than the k-th's (an empty one never)
-        if ordered or v != kth or not (c < kept[k - 1]):
+        if ordered or v != kth or not (c < kept[i, k - 1]):
             return
     p = k - 1
     while p > 0:
-        u, cu = values[p - 1], kept[p - 1]
+        u, cu = values[i, p - 1], kept[i, p - 1]
         if (u > v if largest else u < v) or (u == v and (ordered or (cu != -1 and cu < c))):
             break  # entry p - 1 stays ahead
-        values[p], kept[p] = u, cu
-        slots[p], entered[p] = slots[p - 1], entered[p - 1]
+        values[i, p], kept[i, p] = u, cu
+        slots[i, p], entered[i, p] = slots[i, p - 1], entered[i, p - 1]
         p -= 1
-    values[p], kept[p], slots[p], entered[p] = v, c, 0, mark
+    values[i, p], kept[i, p], slots[i, p], entered[i, p] = v, c, 0, mark
 
 
 @numba.njit(inline="always")
-def _load(values, kept, slots, f):  # pragma: no cover - compiled
-    """Column f of a side's [k, d_ff] arrays as contiguous copies (entered: all -1). Inserting into a
-    column in place strides by d_ff at every shift: a dense first batch cost 5 times more so."""
+def _load(values, kept, slots, f0, w):  # pragma: no cover - compiled
+    """Columns f0 .. f0 + w of a side's [k, d_ff] arrays as contiguous [w, k] copies (entered: all -1).
+    Inserting into a column in place strides by d_ff at every shift: a dense first batch cost 5 times more so."""
     k = values.shape[0]
-    lv, lc, ls = np.empty(k, values.dtype), np.empty(k, kept.dtype), np.empty(k, slots.dtype)
-    le = np.full(k, -1, np.int64)
-    for i in range(k):
-        lv[i], lc[i], ls[i] = values[i, f], kept[i, f], slots[i, f]
+    lv, lc, ls = np.empty((w, k), values.dtype), np.empty((w, k), kept.dtype), np.empty((w, k), slots.dtype)
+    le = np.full((w, k), -1, np.int64)
+    for j in range(k):
+        for i in range(w):
+            lv[i, j], lc[i, j], ls[i, j] = values[j, f0 + i], kept[j, f0 + i], slots[j, f0 + i]
     return lv, lc, ls, le
 
 
 @numba.njit(inline="always")
-def _store(values, kept, slots, entered, f, lv, lc, ls, le):  # pragma: no cover - compiled
-    for i in range(values.shape[0]):
-        values[i, f], kept[i, f], slots[i, f], entered[i, f] = lv[i], lc[i], ls[i], le[i]
+def _store(values, kept, slots, entered, f0, lv, lc, ls, le):  # pragma: no cover - compiled
+    for j in range(values.shape[0]):
+        for i in range(lv.shape[0]):
+            values[j, f0 + i], kept[j, f0 + i], slots[j, f0 + i], entered[j, f0 + i] = (lv[i, j], lc[i, j], ls[i, j],
+                                                                                          le[i, j])
 
 
 @numba.njit(inline="always")
-def _reaches(extreme, kth, largest, ordered):  # pragma: no cover - compiled
-    """Whether a block whose extreme is ``extreme`` may hold an entry that enters (see :func:`_insert`)."""
-    return (extreme > kth if largest else extreme < kth) or (not ordered and extreme == kth)
+def _bars(extremes, lv, f0, sign, bar):  # pragma: no cover - compiled
+    """Each neuron's bar, signed (``sign`` · value, so larger is more extreme on either side): a coefficient
+    whose signed value is below it cannot be among the k kept at the end of the batch. It is the larger
+    of the k-th kept value and the k-th most extreme block extreme: k distinct rows of the batch reach
+    that one, so a coefficient strictly beyond it on the wrong side has k entries ahead of it (fewer
+    than k blocks: -inf). The k most extreme block extremes are kept sorted, [k, w], by a branch-free
+    insertion the compiler vectorises across the strip."""
+    w, k = lv.shape
+    best = np.full((k, w), -np.inf, np.float32)  # best[p, i]: neuron i's (p+1)-th most extreme block extreme
+    e = np.empty(w, np.float32)
+    for b in range(extremes.shape[0]):
+        for i in range(w):
+            x = sign * extremes[b, f0 + i]
+            e[i] = x if x == x else -np.inf  # a NaN extreme (a batch the step refuses) bounds nothing
+        for p in range(k - 1, 0, -1):
+            for i in range(w):
+                lower = best[p - 1, i] if best[p - 1, i] < e[i] else e[i]
+                best[p, i] = lower if lower > best[p, i] else best[p, i]
+        for i in range(w):
+            best[0, i] = e[i] if e[i] > best[0, i] else best[0, i]
+    for i in range(w):
+        bar[i] = max(sign * lv[i, k - 1], best[k - 1, i])
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -115,23 +138,31 @@ def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, ente
                 ):  # pragma: no cover - compiled
     n, d_ff = acts.shape
     k = values.shape[0]
-    for f in numba.prange(d_ff):
-        for i in range(k):
-            entered[i, f] = -1
-        first = -1
-        for b in range(extremes.shape[0]):
-            if _reaches(extremes[b, f], values[k - 1, f], largest, ordered):
-                first = b
-                break
-        if first < 0:  # no block reaches this neuron's k-th value: nothing to load
-            continue
-        lv, lc, ls, le = _load(values, kept, slots, f)
-        for b in range(first, extremes.shape[0]):
-            if not _reaches(extremes[b, f], lv[k - 1], largest, ordered):
+    sign = np.float32(1.0) if largest else np.float32(-1.0)
+    for s in numba.prange((d_ff + _LINE - 1) // _LINE):
+        f0 = s * _LINE
+        w = min(d_ff, f0 + _LINE) - f0
+        lv, lc, ls, le = _load(values, kept, slots, f0, w)
+        bar = np.empty(w, np.float32)
+        _bars(extremes, lv, f0, sign, bar)
+        for b in range(extremes.shape[0]):  # the strip's rows in order, a cache line at a time
+            reaching = 0
+            for i in range(w):
+                reaching += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
+            if reaching == 0:
                 continue
             for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
-                _insert(lv, lc, ls, le, acts[r, f], codes[r], r, largest, ordered)
-        _store(values, kept, slots, entered, f, lv, lc, ls, le)
+                row = acts[r, f0:f0 + w]
+                hits = 0
+                for i in range(w):
+                    hits += 1 if sign * row[i] >= bar[i] else 0
+                if hits == 0:
+                    continue
+                for i in range(w):
+                    if sign * row[i] >= bar[i]:  # a tie with the bar may still enter (out of order)
+                        _insert(lv, lc, ls, le, i, row[i], codes[r], r, largest, ordered)
+                        bar[i] = max(bar[i], sign * lv[i, k - 1])
+        _store(values, kept, slots, entered, f0, lv, lc, ls, le)
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -140,7 +171,7 @@ def document_insert(acts, codes, starts, lengths, open_value, open_code, continu
     k, d_ff = values.shape
     documents = starts.shape[0]
     for f in numba.prange(d_ff):
-        lv, lc, ls, le = _load(values, kept, slots, f)
+        lv, lc, ls, le = _load(values, kept, slots, f, 1)
         for d in range(documents):
             row = starts[d]
             best = acts[row, f]
@@ -152,7 +183,7 @@ def document_insert(acts, codes, starts, lengths, open_value, open_code, continu
             if d == 0 and continues and not (best > open_value[f] if largest else best < open_value[f]):
                 best, code, row = open_value[f], open_code[f], -2  # the earlier best stays (lower code)
             if d < documents - 1:
-                _insert(lv, lc, ls, le, best, code, row, largest, ordered)
+                _insert(lv, lc, ls, le, 0, best, code, row, largest, ordered)
             else:
                 last_value[f], last_code[f], last_row[f] = best, code, row
         _store(values, kept, slots, entered, f, lv, lc, ls, le)
