@@ -191,6 +191,15 @@ def test_window_context_equals_brute_force(backend):
     empty = backend.window_context(torch.from_numpy(acts), as_tensor([]), as_tensor([]), as_tensor(steps),
                                    as_tensor(first), as_tensor(end))
     assert empty.shape == (0, len(steps))
+    # extras (the gate and up of gated FFNs): each entry's own value of each, after the window
+    extras = np.stack([special_values(rng, n, d_ff), special_values(rng, n, d_ff)])
+    got = backend.window_context(torch.from_numpy(acts), as_tensor(rows), as_tensor(neurons), as_tensor(steps),
+                                 as_tensor(first), as_tensor(end), torch.from_numpy(extras))
+    want = np.concatenate([want, extras[:, rows, neurons].T], axis=1)
+    np.testing.assert_array_equal(got.numpy().view(np.int32), want.view(np.int32))
+    only = backend.window_context(torch.from_numpy(acts), as_tensor(rows), as_tensor(neurons), as_tensor(steps[:0]),
+                                  as_tensor(first), as_tensor(end), torch.from_numpy(extras))  # no context, extras only
+    np.testing.assert_array_equal(only.numpy().view(np.int32), want[:, len(steps):].view(np.int32))
 
 
 def test_compiled_key_hash_equals_position_keys():

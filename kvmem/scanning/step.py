@@ -25,6 +25,7 @@ from torch import Tensor
 from kvmem.errors import KvmemError
 from kvmem.plan import Batch, TokenPlan, pack
 from kvmem.scanning.backends import Backend, ContextFn
+from kvmem.scanning.capture import GATE_UP_SITES
 from kvmem.scanning.rules import EMPTY, position_keys
 from kvmem.scanning.state import LayerState, ScanState, add_into
 
@@ -184,7 +185,7 @@ class BatchStep:
     def __init__(self, backend: Backend, state: ScanState, rows: BatchRows, *, with_context: bool, index: int):
         self.backend, self.state, self.rows, self.with_context, self.index = backend, state, rows, with_context, index
         self.finite: list[tuple[int, Tensor]] = []
-        self.pending: dict[int, dict[str, Tensor]] = {}  # layer -> site -> [N, F], until its coefficients come
+        self.pending: dict[int, Tensor] = {}  # layer -> [2, N, F] gate, up, until its coefficients come
 
     @property
     def wants_gate_up(self) -> bool:
@@ -193,34 +194,35 @@ class BatchStep:
         return any(s.quadrants is not None for s in self.state.layer_states.values())
 
     def gate_up(self, layer: int, site: str, tensor: Tensor) -> None:
-        """A gate (site ``pre``) or up (``pre_linear``) pre-activation [B, P, F] of ``layer``, kept for :meth:`layer`."""
+        """A gate (site ``pre``) or up (``pre_linear``) pre-activation [B, P, F] of ``layer``, kept at the
+        scored positions (float32) for :meth:`layer`."""
         if tensor.shape[-1] != self.state.layer_states[layer].histogram.shape[0]:
             raise KvmemError(f"the {site} pre-activation of layer {layer} is {tensor.shape[-1]} wide, not d_ff: this "
                              f"model's gate/up projections are not laid out as its architecture row says; "
                              f"scan with --no-taxonomy-sums")
-        self.pending.setdefault(layer, {})[site] = tensor.reshape(-1, tensor.shape[-1]).index_select(0, self.rows.flat).float()
+        if layer not in self.pending:
+            self.pending[layer] = torch.empty((len(GATE_UP_SITES), self.rows.count, tensor.shape[-1]),
+                                              dtype=torch.float32, device=tensor.device)
+        kept = self.pending[layer][GATE_UP_SITES.index(site)]
+        scored = tensor.reshape(-1, tensor.shape[-1])
+        if scored.dtype == torch.float32:
+            torch.index_select(scored, 0, self.rows.flat, out=kept)
+        else:
+            kept.copy_(scored.index_select(0, self.rows.flat))
 
     def layer(self, layer: int, coefficients: Tensor) -> None:
         """coefficients [B, P, F] of ``layer`` (any float dtype) -> folded into its state."""
         rows = self.rows
         acts = coefficients.reshape(-1, coefficients.shape[-1]).index_select(0, rows.flat).float()  # [N, F]
-        d_ff = acts.shape[1]
-        pre = self.pending.pop(layer, None)
-        gate_up = None if pre is None else (pre["pre"], pre["pre_linear"])
+        extras = self.pending.pop(layer, None)  # [2, N, F] gate, up (quadrant counts) or None
+        steps = rows.steps if self.with_context else rows.steps[:0]
 
         def context_fn(at: Tensor, neurons: Tensor) -> Tensor:  # [c, C (+ gate, up)]
-            parts = ([self.backend.window_context(acts, at, neurons, rows.steps, rows.low, rows.high)]
-                     if self.with_context else [])
-            if gate_up is not None:
-                flat = at * d_ff + neurons
-                parts += [part.view(-1).index_select(0, flat)[:, None] for part in gate_up]
-            if not parts:
-                return torch.empty((at.numel(), 0), dtype=torch.float32, device=acts.device)
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            return self.backend.window_context(acts, at, neurons, steps, rows.low, rows.high, extras)
 
         finite = fold_batch(self.backend, self.state.layer_states[layer], acts, rows.codes, context_fn,
                             docs=rows.docs, keys=rows.keys, ordered=rows.batch.ordered, positions=rows.positions,
-                            gate_up=gate_up)
+                            gate_up=None if extras is None else (extras[0], extras[1]))
         if finite is not None:
             self.finite.append((layer, finite))
 

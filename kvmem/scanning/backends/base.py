@@ -40,10 +40,11 @@ class Backend:
         """Load what the backend needs before the stream (compiled kernels); nothing by default."""
 
     def window_context(self, acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor,
-                       end: Tensor) -> Tensor:
-        """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps`` -> [c, len(steps)] float32, NaN
-        where that row lies outside the row's window (``first[row] <= row + step < end[row]``).
-        acts [N, F]; rows, neurons [c]; steps [C]; first, end [N] each row's window bounds in acts.
+                       end: Tensor, extras: Tensor | None = None) -> Tensor:
+        """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps``, NaN where that row lies outside
+        the row's window (``first[row] <= row + step < end[row]``), then ``extras[e, rows[i], neurons[i]]``
+        for each e -> [c, C + E] float32. acts [N, F]; rows, neurons [c]; steps [C] (may be empty);
+        first, end [N] each row's window bounds in acts; extras [E, N, F] float32 or None (E = 0).
         Every backend returns the same bits (values are copied, never computed)."""
         raise NotImplementedError
 

@@ -29,6 +29,8 @@ from kvmem.scanning.state import BinSample, Side, new_layer_state
 
 __all__ = ["NumbaBackend"]
 
+_NO_EXTRAS = torch.empty((0, 1, 1), dtype=torch.float32)  # extras [E = 0, N, F] (the kernel reads none)
+
 
 class NumbaBackend(TorchBackend):
     """The compiled kernels on float32 CPU tensors (:mod:`kvmem.scanning.backends.numba_kernels`)."""
@@ -61,18 +63,22 @@ class NumbaBackend(TorchBackend):
         rows = torch.arange(4)
         self.bin_sample(state.bins, acts, rows, keys_or_none(codes, 0), codes)
         self.quadrant_counts(torch.zeros(4, 4, dtype=torch.int64), acts, -acts)
-        self.window_context(acts, rows[:2], rows[1:3], torch.arange(-1, 2), torch.zeros(4, dtype=torch.int64),
-                            torch.full((4,), 4))
+        for extras in (None, torch.stack([acts, -acts])):
+            self.window_context(acts, rows[:2], rows[1:3], torch.arange(-1, 2), torch.zeros(4, dtype=torch.int64),
+                                torch.full((4,), 4), extras)
 
     def window_context(self, acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor,
-                       end: Tensor) -> Tensor:
-        """One pass over the entries, spread over the cores (the torch path builds five [c, C] index arrays)."""
+                       end: Tensor, extras: Tensor | None = None) -> Tensor:
+        """One pass over the entries, spread over the cores, the extras read in the same pass (the torch
+        path builds five [c, C] index arrays, then gathers and joins the extras)."""
         self._threads()
-        out = torch.empty((rows.shape[0], steps.shape[0]), dtype=torch.float32)
+        extras = _NO_EXTRAS if extras is None else extras.contiguous()
+        out = torch.empty((rows.shape[0], steps.shape[0] + extras.shape[0]), dtype=torch.float32)
         if rows.shape[0]:
             self._kernels.window_context(acts.contiguous().numpy(), rows.contiguous().numpy(),
                                          neurons.contiguous().numpy(), steps.contiguous().numpy(),
-                                         first.contiguous().numpy(), end.contiguous().numpy(), out.numpy())
+                                         first.contiguous().numpy(), end.contiguous().numpy(), extras.numpy(),
+                                         out.numpy())
         return out
 
     @torch.inference_mode()

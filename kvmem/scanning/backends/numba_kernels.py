@@ -247,7 +247,7 @@ def quadrant_counts(gate, up, counts):  # pragma: no cover - compiled
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def window_context(acts, rows, neurons, steps, first, end, out):  # pragma: no cover - compiled
+def window_context(acts, rows, neurons, steps, first, end, extras, out):  # pragma: no cover - compiled
     n = acts.shape[0]
     width = steps.shape[0]
     for i in numba.prange(rows.shape[0]):
@@ -256,3 +256,5 @@ def window_context(acts, rows, neurons, steps, first, end, out):  # pragma: no c
         for j in range(width):
             a = r + steps[j]
             out[i, j] = acts[a, f] if lo <= a and a < hi and 0 <= a < n else np.float32(np.nan)
+        for e in range(extras.shape[0]):
+            out[i, width + e] = extras[e, r, f]

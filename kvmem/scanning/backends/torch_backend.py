@@ -25,14 +25,17 @@ class TorchBackend(Backend):
     name = "torch"
 
     def window_context(self, acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor,
-                       end: Tensor) -> Tensor:
+                       end: Tensor, extras: Tensor | None = None) -> Tensor:
         """A flat ``index_select`` (advanced indexing of acts costs several times as much)."""
         n, d_ff = acts.shape
         around = rows[:, None] + steps[None, :]  # [c, C]
         inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
         flat = around.clamp_(0, n - 1).mul_(d_ff).add_(neurons[:, None])
-        got = acts.view(-1).index_select(0, flat.view(-1)).view(flat.shape)
-        return got.masked_fill_(~inside, float("nan"))
+        got = acts.reshape(-1).index_select(0, flat.view(-1)).view(flat.shape).masked_fill_(~inside, float("nan"))
+        if extras is None or extras.shape[0] == 0:
+            return got
+        at = rows * d_ff + neurons
+        return torch.cat([got, extras.reshape(extras.shape[0], -1).index_select(1, at).T], dim=1)
 
     @torch.inference_mode()  # the scratch buffers are inference tensors
     def statistics(self, acts: Tensor, histogram: Tensor, positive: Tensor) -> BatchStatistics:
