@@ -298,3 +298,25 @@ def test_a_numba_cache_that_cannot_be_saved_falls_back_with_one_warning(tmp_path
     assert got["chosen"] == ["torch", "torch"]
     assert len(got["warnings"]) == 1, got["warnings"]
     assert "compiled CPU kernels are unavailable" in got["warnings"][0] and "NUMBA_CACHE_DIR" in got["warnings"][0]
+
+
+def test_starting_numba_threads_leaves_torch_thread_count():
+    """numba's first parallel call starts its OpenMP pool, which sets the process's OpenMP thread count
+    (torch's too) to one per core. The scan's kernels and the projection kernels start it themselves and
+    keep the caller's torch count, even above the cores (a fresh process: the pool not yet started)."""
+    import subprocess
+    import sys
+
+    script = ("import os, torch\n"
+              "above = (os.cpu_count() or 1) + 1\n"
+              "torch.set_num_threads(above)\n"
+              "from kvmem.scanning.backends import select_backend\n"
+              "select_backend('cpu', 'numba').prepare()\n"
+              "assert torch.get_num_threads() == above, torch.get_num_threads()\n"
+              "torch.set_num_threads(above + 1)\n"
+              "from kvmem.scanning import projection_kernels\n"
+              "projection_kernels.use_threads(1)\n"
+              "assert torch.get_num_threads() == above + 1, torch.get_num_threads()\n"
+              "import numba\n"
+              "assert numba.get_num_threads() == 1\n")
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)

@@ -43,3 +43,43 @@ def test_tables_built_with_one_torch_thread_and_the_count_restored(gpt2_model, t
         assert not (tmp_path / "b").exists()  # nothing half written
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_stream_takes_parts_and_part_builders(tmp_path):
+    """A table stream takes parts, functions that build a part in its writer thread, and either giving
+    nothing for a layer: the file is the one ``add`` writes for the whole table. A builder that fails
+    fails ``wait`` with its own error."""
+    import numpy as np
+
+    from kvmem.scanning.state import new_layer_state
+    from kvmem.scanning.tables import histograms_table
+
+    rng = np.random.default_rng(0)
+    states = {}
+    for layer in (0, 1, 3):
+        states[layer] = new_layer_state(5, 2, per_document=False, context_width=1)
+        states[layer].histogram += torch.from_numpy(rng.integers(0, 9, states[layer].histogram.shape))
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    with writer.TableWriter(whole, overwrite=False) as out:
+        out.add("histograms", histograms_table([0, 1, 3], states))
+        out.wait()
+    with writer.TableWriter(parts, overwrite=False) as out:
+        stream = out.stream("histograms")
+        stream.put(histograms_table([0], states))
+        stream.put(lambda: histograms_table([1], states))  # built in the writer thread
+        stream.put(None)
+        stream.put(lambda: None)
+        stream.put(lambda: histograms_table([3], states))
+        stream.close()
+        out.wait()
+    assert (parts / "histograms.parquet").read_bytes() == (whole / "histograms.parquet").read_bytes()
+
+    def fails():
+        raise RuntimeError("part build failed")
+
+    with pytest.raises(RuntimeError, match="part build failed"), writer.TableWriter(tmp_path / "c", overwrite=False) as out:
+        stream = out.stream("histograms")
+        stream.put(fails)
+        stream.close()
+        out.wait()
+    assert not (tmp_path / "c").exists()

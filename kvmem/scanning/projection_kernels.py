@@ -22,16 +22,16 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from kvmem.scanning.numba_threads import set_numba_threads
+
 __all__ = ["screen_select", "scratch", "use_threads"]
 
 _WIDTH = 32  # tokens per chunk (at most)
 
 
 def use_threads(count: int) -> None:
-    """numba's threads for the kernel (at most as many as it started with)."""
-    count = max(1, min(count, numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != count:
-        numba.set_num_threads(count)
+    """numba's threads for the kernel (at most as many as it started with; torch's count unchanged)."""
+    set_numba_threads(count)
 
 
 def scratch(groups: int, vocab: int, n: int, cap: int) -> tuple[np.ndarray, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,8 +61,9 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
     """Projections from the per-model cache, tables from a finished (merged) scan state, manifest last.
     ``backend``: the name of the streaming backend that produced the state.
 
-    Each table is handed to the writer as soon as it is built, so the parquet encoding of one overlaps
-    the building of the next (phase "texts": building, writing under way; "write": what is left)."""
+    The samples and triggers tables are built layer by layer in their writer threads, each thread building
+    a part and then encoding it, while this thread builds the small tables (phase "texts": every table
+    built and written; "write": the projections linked and the manifest)."""
     layers = state.layers
     with TableWriter(target, overwrite=overwrite) as out:
         # the projections first: computed (a model's first scan, both cores) or found in the cache while no
@@ -74,13 +76,14 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
             out.add("neurons", neurons_table(model, layers, state.layer_states))
             bar.update()
             with torch_threads(1):  # gathers and copies only; torch's workers would wait on the writers' cores
-                # the two large tables go to their writer threads layer by layer, so writing starts at once
+                # the two large tables are built in their writer threads, a layer at a time: two threads on two
+                # cores (a third thread building for both took turns with them)
                 samples = out.stream("samples") if has_samples(state) else None
                 triggers = out.stream("triggers")
                 for layer in layers:
                     if samples is not None:
-                        samples.put(sample_part(layer, state.layer_states[layer]))
-                    triggers.put(trigger_part(layer, state.layer_states[layer]))
+                        samples.put(lambda layer=layer: sample_part(layer, state.layer_states[layer]))
+                    triggers.put(lambda layer=layer: trigger_part(layer, state.layer_states[layer]))
                 for stream in (samples, triggers):
                     if stream is not None:
                         stream.close()
@@ -91,6 +94,7 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                                     ("unigrams", lambda: unigrams_table(state))):
                     out.add(name, build())
                     bar.update()
+                out.wait()
 
         def manifest() -> Manifest:
             timing = {"phases": phases.so_far(), "total_seconds": phases.elapsed(),
@@ -113,9 +117,10 @@ class TableWriter:
 
     ``add(name, table)`` starts writing a table at once, in one of two threads (parquet encoding and
     compression release the GIL), so callers build the next table meanwhile; ``stream(name)`` does the
-    same for a table handed over in parts (whole layers, in table order), each written as it comes;
-    ``finish`` waits for them, keeps the scan state of a shard atlas, and writes the manifest last. An
-    existing ``target`` is refused (FileExistsError) unless ``overwrite``.
+    same for a table handed over in parts (whole layers, in table order, or functions that build them),
+    each written as it comes; ``wait`` waits for every table so far; ``finish`` waits too, keeps the scan
+    state of a shard atlas, and writes the manifest last. An existing ``target`` is refused
+    (FileExistsError) unless ``overwrite``.
 
         with TableWriter(path, overwrite=False) as out:
             out.add("neurons", table)
@@ -155,12 +160,16 @@ class TableWriter:
         """Link (or copy) an already written parquet file in as ``name.parquet``."""
         _link_or_copy(Path(source), self.directory / f"{name}.parquet")
 
+    def wait(self) -> None:
+        """Wait for every table handed over so far (the first that failed raises here)."""
+        for future in self._futures:
+            future.result()
+
     def finish(self, manifest, *, state: ScanState | None = None) -> None:
         """Wait for every table, keep ``state`` (shard atlases, for ``kvmem merge``), write the manifest.
         ``manifest``: a :class:`~kvmem.manifest.Manifest`, or a function returning one (called last, so
         it can time the writing)."""
-        for future in self._futures:
-            future.result()  # the first table that failed raises here
+        self.wait()
         if state is not None:
             save_state(self.directory / STATE_DIR, state, {"shard": True}, tensor_file="state.safetensors")
         (manifest() if callable(manifest) else manifest).write(self.directory / "manifest.json")
@@ -182,8 +191,9 @@ class TableStream:
         self._parts: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
 
-    def put(self, part: pa.Table | None) -> None:
-        """Hand over the next part (rows of whole layers, in table order); None: nothing for this layer."""
+    def put(self, part: pa.Table | Callable[[], pa.Table | None] | None) -> None:
+        """Hand over the next part (rows of whole layers, in table order), or a function that builds it in the
+        writer thread; None (or a function returning None): nothing for this layer."""
         if self._closed:
             raise ValueError(f"table stream {self.name!r} is closed")
         if part is not None:
@@ -196,10 +206,12 @@ class TableStream:
             self._parts.put(None)
 
     def drain(self, path: Path) -> None:
-        """Run in a writer thread: write each part as it comes, until :meth:`close`."""
+        """Run in a writer thread: write each part as it comes (a callable: built here first), until :meth:`close`."""
         with LayerParts(path) as out:
             while (part := self._parts.get()) is not None:
-                out.write(conform(part, self.name))
+                part = part() if callable(part) else part
+                if part is not None:
+                    out.write(conform(part, self.name))
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

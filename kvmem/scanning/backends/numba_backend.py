@@ -38,17 +38,14 @@ class NumbaBackend(TorchBackend):
     name = "numba"
 
     def __init__(self):
-        import numba  # an ImportError where numba is not installed
+        from kvmem.scanning.backends import numba_kernels  # an ImportError where numba is not installed
+        from kvmem.scanning.numba_threads import set_numba_threads
 
-        from kvmem.scanning.backends import numba_kernels
-
-        self._numba, self._kernels = numba, numba_kernels
+        self._kernels, self._set_threads = numba_kernels, set_numba_threads
 
     def _threads(self) -> None:
-        """numba's threads set to torch's."""
-        threads = max(1, min(torch.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS))
-        if self._numba.get_num_threads() != threads:
-            self._numba.set_num_threads(threads)
+        """numba's threads set to torch's (at most one per core; torch's count unchanged)."""
+        self._set_threads(torch.get_num_threads())
 
     def prepare(self) -> None:
         """Compile (or load from numba's disk cache) every kernel, on a tiny state that takes every path."""
