@@ -24,7 +24,7 @@ from torch import Tensor
 
 from kvmem.scanning.backends.base import BatchStatistics, ContextFn
 from kvmem.scanning.backends.torch_backend import TorchBackend
-from kvmem.scanning.rules import BLOCK_ROWS, key_salt, keys_or_none
+from kvmem.scanning.rules import BLOCK_ROWS, key_salt, keys_or_none, order_by_key
 from kvmem.scanning.state import BinSample, Side, new_layer_state
 
 __all__ = ["NumbaBackend"]
@@ -149,8 +149,12 @@ class NumbaBackend(TorchBackend):
         self._kernels.quadrant_counts(gate.float().contiguous().numpy(), up.float().contiguous().numpy(), counts.numpy())
 
     def bin_sample(self, sample: BinSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor) -> None:
-        """Each neuron inserts every position whose key is under its bin's q-th kept one."""
+        """Each neuron inserts every position whose key is under its bin's q-th kept one, in (key, code)
+        order: an entry then goes in after the last it is compared with, and the kept ones are the same in
+        any order (a dense first batch: a quarter less time)."""
         self._threads()
+        order = order_by_key(row_keys, row_codes, 0)
+        rows, row_keys, row_codes = rows[order], row_keys[order], row_codes[order]
         if sample.last_keys is None or not sample.last_keys.is_contiguous():
             sample.last_keys = keys_or_none(sample.codes[:, :, -1], sample.seed).T.contiguous()  # [B, F]
         if not (sample.codes.is_contiguous() and sample.values.is_contiguous()):
