@@ -115,8 +115,17 @@ def _bars(extremes, lv, f0, sign, bar):  # pragma: no cover - compiled
     of the k-th kept value and the k-th most extreme block extreme: k distinct rows of the batch reach
     that one, so a coefficient strictly beyond it on the wrong side has k entries ahead of it (fewer
     than k blocks: -inf). The k most extreme block extremes are kept sorted, [k, w], by a branch-free
-    insertion the compiler vectorises across the strip."""
+    insertion the compiler vectorises across the strip; it is skipped where no neuron of the strip has
+    more than k blocks reaching its k-th kept value (the raise could not help: a full side's later batches)."""
     w, k = lv.shape
+    for i in range(w):
+        bar[i] = sign * lv[i, k - 1]
+    reaching = np.zeros(w, np.int64)  # blocks whose extreme reaches the k-th kept value
+    for b in range(extremes.shape[0]):
+        for i in range(w):
+            reaching[i] += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
+    if reaching.max() <= k:  # the k-th block extreme is under the k-th kept value (a later batch): no gain
+        return
     best = np.full((k, w), -np.inf, np.float32)  # best[p, i]: neuron i's (p+1)-th most extreme block extreme
     e = np.empty(w, np.float32)
     for b in range(extremes.shape[0]):
@@ -130,14 +139,56 @@ def _bars(extremes, lv, f0, sign, bar):  # pragma: no cover - compiled
         for i in range(w):
             best[0, i] = e[i] if e[i] > best[0, i] else best[0, i]
     for i in range(w):
-        bar[i] = max(sign * lv[i, k - 1], best[k - 1, i])
+        bar[i] = max(bar[i], best[k - 1, i])
+
+
+@numba.njit(inline="always")
+def _by_rows(acts, codes, extremes, rows_per_block, f0, lv, lc, ls, le, bar, sign, largest, ordered
+             ):  # pragma: no cover - compiled
+    """The strip's rows in order, a cache line of neurons at a time (blocks under every bar skipped)."""
+    n = acts.shape[0]
+    w, k = lv.shape
+    for b in range(extremes.shape[0]):
+        reaching = 0
+        for i in range(w):
+            reaching += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
+        if reaching == 0:
+            continue
+        for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
+            row = acts[r, f0:f0 + w]
+            hits = 0
+            for i in range(w):
+                hits += 1 if sign * row[i] >= bar[i] else 0
+            if hits == 0:
+                continue
+            for i in range(w):
+                if sign * row[i] >= bar[i]:  # a tie with the bar may still enter (out of order)
+                    _insert(lv, lc, ls, le, i, row[i], codes[r], r, largest, ordered)
+                    bar[i] = max(bar[i], sign * lv[i, k - 1])
+
+
+@numba.njit(inline="always")
+def _by_neurons(acts, codes, extremes, rows_per_block, f0, lv, lc, ls, le, bar, sign, largest, ordered
+                ):  # pragma: no cover - compiled
+    """Neuron by neuron, only the rows of the blocks that reach its own bar."""
+    n = acts.shape[0]
+    w, k = lv.shape
+    for i in range(w):
+        f = f0 + i
+        for b in range(extremes.shape[0]):
+            if not sign * extremes[b, f] >= bar[i]:
+                continue
+            for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
+                v = acts[r, f]
+                if sign * v >= bar[i]:
+                    _insert(lv, lc, ls, le, i, v, codes[r], r, largest, ordered)
+                    bar[i] = max(bar[i], sign * lv[i, k - 1])
 
 
 @numba.njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, entered, largest, ordered
                 ):  # pragma: no cover - compiled
-    n, d_ff = acts.shape
-    k = values.shape[0]
+    d_ff = acts.shape[1]
     sign = np.float32(1.0) if largest else np.float32(-1.0)
     for s in numba.prange((d_ff + _LINE - 1) // _LINE):
         f0 = s * _LINE
@@ -145,23 +196,20 @@ def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, ente
         lv, lc, ls, le = _load(values, kept, slots, f0, w)
         bar = np.empty(w, np.float32)
         _bars(extremes, lv, f0, sign, bar)
-        for b in range(extremes.shape[0]):  # the strip's rows in order, a cache line at a time
+        # the strip's rows when its neurons share the blocks they must read, four a block on average (a
+        # dense batch: one line read serves them all); else each neuron's own blocks (a full side's later
+        # batches: a few blocks each, one neuron's rows strided by d_ff but few)
+        shared, own = 0, 0
+        for b in range(extremes.shape[0]):
             reaching = 0
             for i in range(w):
                 reaching += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
-            if reaching == 0:
-                continue
-            for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
-                row = acts[r, f0:f0 + w]
-                hits = 0
-                for i in range(w):
-                    hits += 1 if sign * row[i] >= bar[i] else 0
-                if hits == 0:
-                    continue
-                for i in range(w):
-                    if sign * row[i] >= bar[i]:  # a tie with the bar may still enter (out of order)
-                        _insert(lv, lc, ls, le, i, row[i], codes[r], r, largest, ordered)
-                        bar[i] = max(bar[i], sign * lv[i, k - 1])
+            own += reaching
+            shared += 1 if reaching > 0 else 0
+        if own >= 4 * shared:
+            _by_rows(acts, codes, extremes, rows_per_block, f0, lv, lc, ls, le, bar, sign, largest, ordered)
+        else:
+            _by_neurons(acts, codes, extremes, rows_per_block, f0, lv, lc, ls, le, bar, sign, largest, ordered)
         _store(values, kept, slots, entered, f0, lv, lc, ls, le)
 
 
