@@ -76,8 +76,8 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
             out.add("neurons", neurons_table(model, layers, state.layer_states))
             bar.update()
             with torch_threads(1):  # gathers and copies only; torch's workers would wait on the writers' cores
-                # the two large tables are built in their writer threads, a layer at a time: two threads on two
-                # cores (a third thread building for both took turns with them)
+                # the two large tables are built in their writer threads, a layer at a time, each part encoded
+                # by the thread that built it (this thread only hands the builders over)
                 samples = out.stream("samples") if has_samples(state) else None
                 triggers = out.stream("triggers")
                 for layer in layers:

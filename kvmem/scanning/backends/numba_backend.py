@@ -95,11 +95,12 @@ class NumbaBackend(TorchBackend):
 
     def stream_side(self, side: Side, acts: Tensor, codes: Tensor, context_fn: ContextFn, ordered: bool,
                     extremes: Tensor) -> None:
-        """The neurons go in strips of one cache line, reading the rows in order. Each neuron has a bar
-        (its k-th kept value, raised to the k-th most extreme block extreme, which k rows of the batch
-        reach): blocks and rows under every bar of the strip are skipped, and a coefficient that reaches
-        its bar is inserted under the tie rule, in row order. A position pushed out later in the same
-        batch never has its context read: only the entries still kept at the end are looked up."""
+        """The neurons go in strips of one cache line. Each neuron has a bar (its k-th kept value, raised
+        to the k-th most extreme block extreme, which k rows of the batch reach); a strip reads its rows
+        in order when its neurons share the blocks that reach their bars (a dense batch), else each neuron
+        reads its own reaching blocks (a full side's later batches). A coefficient that reaches its bar is
+        inserted under the tie rule, in row order, so a position pushed out later in the same batch never
+        has its context read: only the entries still kept at the end are looked up."""
         self._threads()
         entered = _writable(side)
         self._kernels.side_insert(acts.contiguous().numpy(), codes.contiguous().numpy(), extremes.contiguous().numpy(),

@@ -109,6 +109,15 @@ def _store(values, kept, slots, entered, f0, lv, lc, ls, le):  # pragma: no cove
 
 
 @numba.njit(inline="always")
+def _reaching(extremes, b, f0, bar, sign):  # pragma: no cover - compiled
+    """How many neurons f0 .. f0 + len(bar) have block b's extreme at or beyond their (signed) bar."""
+    count = 0
+    for i in range(bar.shape[0]):
+        count += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
+    return count
+
+
+@numba.njit(inline="always")
 def _bars(extremes, lv, f0, sign, bar):  # pragma: no cover - compiled
     """Each neuron's bar, signed (``sign`` · value, so larger is more extreme on either side): a coefficient
     whose signed value is below it cannot be among the k kept at the end of the batch. It is the larger
@@ -149,10 +158,7 @@ def _by_rows(acts, codes, extremes, rows_per_block, f0, lv, lc, ls, le, bar, sig
     n = acts.shape[0]
     w, k = lv.shape
     for b in range(extremes.shape[0]):
-        reaching = 0
-        for i in range(w):
-            reaching += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
-        if reaching == 0:
+        if _reaching(extremes, b, f0, bar, sign) == 0:
             continue
         for r in range(b * rows_per_block, min(n, (b + 1) * rows_per_block)):
             row = acts[r, f0:f0 + w]
@@ -201,9 +207,7 @@ def side_insert(acts, codes, extremes, rows_per_block, values, kept, slots, ente
         # batches: a few blocks each, one neuron's rows strided by d_ff but few)
         shared, own = 0, 0
         for b in range(extremes.shape[0]):
-            reaching = 0
-            for i in range(w):
-                reaching += 1 if sign * extremes[b, f0 + i] >= bar[i] else 0
+            reaching = _reaching(extremes, b, f0, bar, sign)
             own += reaching
             shared += 1 if reaching > 0 else 0
         if own >= 4 * shared:
