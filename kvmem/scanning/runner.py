@@ -22,6 +22,7 @@ from typing import Any
 from kvmem.allocator import release_freed_memory
 from kvmem.atlas import open_atlas
 from kvmem.atomic import held_lock
+from kvmem.collector import frozen_heap
 from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
@@ -152,7 +153,9 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
 
     target = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvmem-atlas-")) / "atlas"
     lock = target.with_name(f".{target.name}{f'.rank{rank}' if world > 1 else ''}.lock")
-    with held_lock(lock, f"the output {target}"):  # one scan at a time per --out (and rank)
+    # one scan at a time per --out (and rank); the objects that exist now (modules, the model) are left out of
+    # garbage collections until the scan ends
+    with held_lock(lock, f"the output {target}"), frozen_heap():
         return _scan_into(target, model, corpus, config, layers, plan, phases, rank=rank, world=world,
                           overwrite=overwrite, resume=resume, backend=backend)
 
