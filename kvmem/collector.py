@@ -3,7 +3,7 @@
 A full collection walks every object the collector tracks. Once torch, transformers and a model
 are loaded there are about half a million, and a full collection takes a quarter of a second on
 a 2-core machine. One starts each time the objects that survived earlier collections grow by a
-quarter, so the imports and the model load of a ``kvmem scan`` command set off eight of them (1.0
+quarter, so the imports and the model load of a ``kvmem scan`` command set off eight of them (0.9
 to 1.2 s of a 2,000-token command on an AMD EPYC), and a notebook's first scan two more, while
 numba loads (0.5 s). Objects made by imports and a model load live as long as the process or
 the model: walking them again frees nothing.
@@ -12,8 +12,10 @@ the model: walking them again frees nothing.
   collections until it ends (``gc.freeze``, then ``gc.unfreeze``). A notebook gets its collector
   back as it was, and a model deleted after the scan is freed as before.
 - :func:`freeze_survivors`: the ``kvmem`` command's process policy. After each full collection,
-  what survived it is frozen, so no object is walked by more than one full collection. The
-  process ends with its command, so nothing frozen is kept past its use for long.
+  what survived it is frozen, so no object is walked by more than one full collection (a 2,000-token
+  command's full collections: 0.9-1.2 s before, 0.18-0.23 s after). A frozen object is not collected
+  even once it is unreachable; a process that ends with its command loses nothing by that, which
+  is why this is the command's policy and not the library's.
 """
 
 from __future__ import annotations
