@@ -11,11 +11,16 @@ the model: walking them again frees nothing.
 - :func:`frozen_heap`: :func:`kvmem.scan` leaves the objects that exist when it starts out of
   collections until it ends (``gc.freeze``, then ``gc.unfreeze``). A notebook gets its collector
   back as it was, and a model deleted after the scan is freed as before.
+- :func:`model_loading`: no collection while :func:`kvmem.load_model` runs; collections resume
+  after it as they were. A load leaves about 4,500 unreachable objects and no memory to take back
+  (smollm2-135m: the same RSS before and after a full collection), and would otherwise run four
+  full collections over a heap growing from 265,000 to 466,000 objects (0.77 s).
 - :func:`freeze_survivors`: the ``kvmem`` command's process policy. After each full collection,
   what survived it is frozen, so no object is walked by more than one full collection (a 2,000-token
   command's full collections: 0.9-1.2 s before, 0.18-0.23 s after). A frozen object is not collected
   even once it is unreachable; a process that ends with its command loses nothing by that, which
-  is why this is the command's policy and not the library's.
+  is why this is the command's policy and not the library's. Under it, what a model load made is
+  frozen as the load ends, without a collection.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["frozen_heap", "freeze_survivors"]
+__all__ = ["frozen_heap", "model_loading", "freeze_survivors"]
 
 _OLDEST = 2  # gc's oldest generation: a collection of it is a full collection
 
@@ -42,6 +47,21 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextmanager
+def model_loading() -> Iterator[None]:
+    """No collection inside the block; the collector's state is restored after it, and under
+    :func:`freeze_survivors` what the block made is frozen."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if _freeze_after_full_collection in gc.callbacks:
+            gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def _freeze_after_full_collection(phase: str, info: dict) -> None:

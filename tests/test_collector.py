@@ -13,7 +13,7 @@ import pytest
 from conftest import SHORT_DOCS
 
 import kvmem
-from kvmem.collector import frozen_heap
+from kvmem.collector import frozen_heap, model_loading
 from kvmem.corpus import Corpus
 
 
@@ -77,6 +77,39 @@ def test_a_scan_freezes_the_heap_while_it_reads_and_not_after(gpt2_model, tmp_pa
     assert gc.get_freeze_count() == 0 and walked(before)
 
 
+def test_model_loading_pauses_the_collector_and_restores_it():
+    assert gc.isenabled()
+    with model_loading():
+        assert not gc.isenabled()
+        made_inside = _Marker()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0 and walked(made_inside)  # the library freezes nothing
+    gc.disable()
+    try:
+        with model_loading():
+            pass
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()
+
+
+def test_load_model_runs_with_the_collector_paused(gpt2_dir, monkeypatch):
+    import transformers
+
+    seen = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(*args, **kwargs):  # HF's own loader, as kvmem calls it
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    model = kvmem.load_model(gpt2_dir)
+    assert model.d_ff > 0
+    assert seen == [False]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
 SURVIVORS = """
 import gc, json, weakref
 from kvmem.collector import freeze_survivors
@@ -93,15 +126,20 @@ cycle = Node(); cycle.me = cycle  # garbage made after the freeze is still colle
 dead = weakref.ref(cycle)
 del cycle
 gc.collect()
+from kvmem.collector import model_loading
+with model_loading():
+    loaded = Node()
+frozen_after_load = not any(o is loaded for o in gc.get_objects()) and gc.isenabled()
 print(json.dumps({"frozen_after_full": frozen_after_full, "cycle_collected": dead() is None,
+                  "frozen_after_load": frozen_after_load,
                   "callbacks": sum(cb.__name__ == "_freeze_after_full_collection" for cb in gc.callbacks)}))
 """
 
 
-def test_freeze_survivors_freezes_what_a_full_collection_keeps_and_still_collects_garbage():
+def test_freeze_survivors_freezes_what_a_full_collection_keeps_and_a_load_made_and_still_collects_garbage():
     done = subprocess.run([sys.executable, "-c", SURVIVORS], capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"frozen_after_full": True, "cycle_collected": True, "callbacks": 1}
+    assert result == {"frozen_after_full": True, "cycle_collected": True, "frozen_after_load": True, "callbacks": 1}
 
 
 def test_the_kvmem_command_process_freezes_survivors():
