@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,18 +78,21 @@ def main() -> None:
         return
 
     folder = Path(tempfile.mkdtemp(prefix="kvmem-command-"))
-    out = folder / "atlas"
-    directory, batches = prepare_bare(args.model, args.corpus, args.tokens, folder)
-    command = [sys.executable, "-m", "kvmem", "scan", "--model", args.model, "--corpus", args.corpus,
-               "--max-tokens", str(args.tokens), "--out", str(out), "--overwrite", "--quiet"]
-    bare = [sys.executable, str(HERE / "whole_command.py"), "--bare", directory, str(batches)]
-    if args.warm_up:
-        timed(command)
-    rounds = {"command": [], "bare": []}
-    for _ in range(args.rounds):
-        rounds["command"].append(round(timed(command), 2))
-        rounds["bare"].append(round(timed(bare), 2))
-    phases = json.loads((out / "manifest.json").read_text())["timing"]["phases"]  # the last command's scan
+    try:  # the atlas (about 300 MB at 2,000 tokens) and the batches go with the folder
+        out = folder / "atlas"
+        directory, batches = prepare_bare(args.model, args.corpus, args.tokens, folder)
+        command = [sys.executable, "-m", "kvmem", "scan", "--model", args.model, "--corpus", args.corpus,
+                   "--max-tokens", str(args.tokens), "--out", str(out), "--overwrite", "--quiet"]
+        bare = [sys.executable, str(HERE / "whole_command.py"), "--bare", directory, str(batches)]
+        if args.warm_up:
+            timed(command)
+        rounds = {"command": [], "bare": []}
+        for _ in range(args.rounds):
+            rounds["command"].append(round(timed(command), 2))
+            rounds["bare"].append(round(timed(bare), 2))
+        phases = json.loads((out / "manifest.json").read_text())["timing"]["phases"]  # the last command's scan
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     command_s, bare_s = statistics.median(rounds["command"]), statistics.median(rounds["bare"])
     result = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "rounds": rounds,
               "command_seconds": command_s, "bare_seconds": bare_s, "ratio": round(bare_s / command_s, 3),
