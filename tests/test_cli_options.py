@@ -3,6 +3,9 @@ experiment, and every bad value is one line on stderr."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -156,3 +159,35 @@ def test_token_budget_and_cpu_auto_resolve_to_whole_windows(gpt2_model, tmp_path
     assert by_budget.manifest.plan.batch_size == 3
     for table in ("triggers", "values", "histograms", "neurons"):
         assert (by_budget.path / f"{table}.parquet").read_bytes() == (by_count.path / f"{table}.parquet").read_bytes()
+
+
+ONE_COMMAND = """
+import json, sys
+from kvmem.cli import build_parser
+args = build_parser(["--debug", "scan", "--model", "m", "--corpus", "c", "--out", "o"]).parse_args(
+    ["--debug", "scan", "--model", "m", "--corpus", "c", "--out", "o"])
+print(json.dumps({"model": args.model, "debug": args.debug,
+                  "imported": sorted(m for m in sys.modules if m.startswith(("kvmem.cli.", "kvmem.autointerp")))}))
+"""
+
+
+def test_a_command_line_imports_only_the_module_of_its_command():
+    done = subprocess.run([sys.executable, "-c", ONE_COMMAND], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["model"] == "m" and result["debug"] is True
+    assert "kvmem.cli.scan_cmd" in result["imported"]
+    assert not [m for m in result["imported"] if m.startswith(("kvmem.cli.explain_cmd", "kvmem.autointerp"))]
+
+
+def test_every_command_is_listed_and_a_named_one_parses_in_full(capsys):
+    from kvmem.cli import COMMANDS, build_parser
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in COMMANDS)
+    with pytest.raises(SystemExit) as bad:
+        build_parser(["bogus"]).parse_args(["bogus"])
+    assert bad.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+    args = build_parser(["score", "--atlas", "a"]).parse_args(["score", "--atlas", "a"])
+    assert args.scorers == "detection,fuzzing,simulation" and args.baseline is None  # its own defaults
