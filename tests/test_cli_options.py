@@ -164,8 +164,8 @@ def test_token_budget_and_cpu_auto_resolve_to_whole_windows(gpt2_model, tmp_path
 ONE_COMMAND = """
 import json, sys
 from kvmem.cli import build_parser
-args = build_parser(["--debug", "scan", "--model", "m", "--corpus", "c", "--out", "o"]).parse_args(
-    ["--debug", "scan", "--model", "m", "--corpus", "c", "--out", "o"])
+argv = ["--debug", "scan", "--model", "m", "--corpus", "c", "--out", "o"]
+args = build_parser(argv).parse_args(argv)
 print(json.dumps({"model": args.model, "debug": args.debug,
                   "imported": sorted(m for m in sys.modules if m.startswith(("kvmem.cli.", "kvmem.autointerp")))}))
 """

@@ -112,7 +112,7 @@ def test_load_model_runs_with_the_collector_paused(gpt2_dir, monkeypatch):
 
 SURVIVORS = """
 import gc, json, weakref
-from kvmem.collector import freeze_survivors
+from kvmem.collector import freeze_survivors, model_loading
 
 class Node:
     pass
@@ -126,7 +126,6 @@ cycle = Node(); cycle.me = cycle  # garbage made after the freeze is still colle
 dead = weakref.ref(cycle)
 del cycle
 gc.collect()
-from kvmem.collector import model_loading
 with model_loading():
     loaded = Node()
 frozen_after_load = not any(o is loaded for o in gc.get_objects()) and gc.isenabled()
