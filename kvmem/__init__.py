@@ -1,10 +1,13 @@
 """kvmem: read a transformer's feed-forward layers as key-value memories.
 
-Importing kvmem is cheap: torch, transformers and pandas load on first use.
+Importing kvmem is cheap: torch, transformers and pandas load on first use, with the garbage
+collector paused while they do (:func:`kvmem.collector.collections_paused`).
 """
 
 from importlib import import_module
 from typing import Any
+
+from kvmem.collector import collections_paused
 
 __version__ = "0.1.0"
 
@@ -37,7 +40,8 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'kvmem' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
-    module = import_module(module_name)
+    with collections_paused():  # an import's objects live as long as the process: walking them frees nothing
+        module = import_module(module_name)
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
     return value

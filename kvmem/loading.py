@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmem.architectures import check_config
 from kvmem.builtin import BUILTIN_MODELS, gpt2_random_dir, sha256_file, smollm2_dir
-from kvmem.collector import model_loading
+from kvmem.collector import collections_paused
 from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
 from kvmem.models import Model
@@ -109,9 +109,9 @@ def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: An
     >>> model.n_layers, model.d_ff, model.gated
     (30, 1536, True)
 
-    The garbage collector pauses while the model loads (:func:`kvmem.collector.model_loading`).
+    The garbage collector pauses while the model loads (:func:`kvmem.collector.collections_paused`).
     """
-    with model_loading():
+    with collections_paused():
         return _load_model(name_or_path, device=device, dtype=dtype, revision=revision)
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import SHORT_DOCS
 
 import kvmem
-from kvmem.collector import frozen_heap, model_loading
+from kvmem.collector import collections_paused, frozen_heap
 from kvmem.corpus import Corpus
 
 
@@ -77,20 +77,37 @@ def test_a_scan_freezes_the_heap_while_it_reads_and_not_after(gpt2_model, tmp_pa
     assert gc.get_freeze_count() == 0 and walked(before)
 
 
-def test_model_loading_pauses_the_collector_and_restores_it():
+def test_collections_paused_pauses_the_collector_and_restores_it():
     assert gc.isenabled()
-    with model_loading():
+    with collections_paused():
         assert not gc.isenabled()
         made_inside = _Marker()
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0 and walked(made_inside)  # the library freezes nothing
     gc.disable()
     try:
-        with model_loading():
+        with collections_paused():
             pass
         assert not gc.isenabled()  # a caller's disabled collector stays disabled
     finally:
         gc.enable()
+
+
+def test_a_first_use_import_runs_with_the_collector_paused(monkeypatch):
+    """``kvmem.scan`` and the other lazy names import their module with the collector paused."""
+    import importlib
+
+    seen = []
+
+    def import_module(name):  # the real import, observed from inside
+        seen.append((name, gc.isenabled()))
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(kvmem, "import_module", import_module)
+    monkeypatch.delitem(vars(kvmem), "open", raising=False)  # as in a fresh process: not yet imported
+    assert kvmem.open is importlib.import_module("kvmem.atlas").open_atlas
+    assert seen == [("kvmem.atlas", False)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_load_model_runs_with_the_collector_paused(gpt2_dir, monkeypatch):
@@ -112,7 +129,7 @@ def test_load_model_runs_with_the_collector_paused(gpt2_dir, monkeypatch):
 
 SURVIVORS = """
 import gc, json, weakref
-from kvmem.collector import freeze_survivors, model_loading
+from kvmem.collector import freeze_survivors, collections_paused
 
 class Node:
     pass
@@ -126,7 +143,7 @@ cycle = Node(); cycle.me = cycle  # garbage made after the freeze is still colle
 dead = weakref.ref(cycle)
 del cycle
 gc.collect()
-with model_loading():
+with collections_paused():
     loaded = Node()
 frozen_after_load = not any(o is loaded for o in gc.get_objects()) and gc.isenabled()
 print(json.dumps({"frozen_after_full": frozen_after_full, "cycle_collected": dead() is None,
