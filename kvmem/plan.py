@@ -11,10 +11,13 @@ The rule, stable so anyone can recompute an activation:
 - token ``pos`` of document ``doc`` is packed into one int64 *code* ``doc << 32 | pos``;
 - documents are grouped into *blocks* of ``block_documents`` consecutive documents; with
   ``sort_by_length`` a block's documents are read shortest first (stable, so equal lengths keep
-  corpus order; a document's windows stay together and in order); a batch holds consecutive
+  corpus order; a document's windows stay together and in order), or with
+  ``longest_windows_first`` its windows longest first: every full window in corpus order, then
+  each document's shorter last window, longest first (stable); a batch holds consecutive
   windows of that order within one block, as many as fit ``batch_size × window`` padded positions
   (windows × the longest of them), so short documents (sentences) share a forward with little
-  padding; every batch is the same tensor whichever process computes it;
+  padding, and a document's short last window is not padded to a full one beside full windows;
+  every batch is the same tensor whichever process computes it;
 - ``max_tokens`` cuts the stream after that many scored tokens (the last window is shortened);
 - a process with shard ``i/n`` and rank ``r`` of ``w`` takes the blocks ``b`` with
   ``b % n == i`` and ``(b // n) % w == r``.
@@ -41,7 +44,9 @@ DEFAULT_BLOCK_DOCUMENTS = 64
 RULE = ("each document is tokenized alone without special tokens; window k holds tokens "
         "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored); "
         "a batch holds consecutive windows of one block of block_documents documents (shortest document "
-        "first when sort_by_length, stable), as many as fit batch_size * window padded positions")
+        "first when sort_by_length, stable; when longest_windows_first, the block's full windows in corpus order, "
+        "then each document's shorter last window, longest first, stable), as many as fit batch_size * window "
+        "padded positions")
 
 
 BATCH_SIZE_HELP = ("windows per forward (an integer), a token budget such as '4096 tokens' or '4096t' (whole "
@@ -132,6 +137,12 @@ class TokenPlan:
     shard:           (i, n): this process's part of the blocks, for batch schedulers
     sort_by_length:  read each block's documents shortest first, so batches of short documents
                      are padded little (codes then no longer increase along the stream)
+    longest_windows_first: with sort_by_length, read each block's windows longest first instead:
+                     its full windows in corpus order, then each document's shorter last window,
+                     longest first, so a document's tail shares a forward with windows of about its
+                     length (pydoc, 256-token windows: 1.9% padded positions at 100,000 tokens,
+                     against 7.3%). A document's windows are then no longer together: a scan that
+                     keeps per-document bests reads documents shortest first.
     """
 
     window: int
@@ -141,6 +152,7 @@ class TokenPlan:
     block_documents: int = DEFAULT_BLOCK_DOCUMENTS
     shard: tuple[int, int] = (0, 1)
     sort_by_length: bool = True
+    longest_windows_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("window", "batch_size", "block_documents"):
@@ -151,6 +163,8 @@ class TokenPlan:
         if not (isinstance(index, int) and isinstance(count, int) and count >= 1 and 0 <= index < count):
             raise KvmemError(f"shard must be i/N with 0 <= i < N, got {index}/{count}")
         object.__setattr__(self, "shard", (int(index), int(count)))
+        if self.longest_windows_first and not self.sort_by_length:
+            raise KvmemError("longest_windows_first orders windows by length: it needs sort_by_length")
 
     @property
     def offset(self) -> int:
@@ -183,7 +197,8 @@ class TokenPlan:
                    batch_size=int(data.get("batch_size", 8)), max_tokens=data.get("max_tokens"),
                    block_documents=int(data.get("block_documents", DEFAULT_BLOCK_DOCUMENTS)),
                    shard=tuple(data.get("shard", (0, 1))),
-                   sort_by_length=bool(data.get("sort_by_length", False)))  # absent: read in corpus order
+                   sort_by_length=bool(data.get("sort_by_length", False)),  # absent: read in corpus order
+                   longest_windows_first=bool(data.get("longest_windows_first", False)))  # absent: documents
 
 
 @dataclass
@@ -310,6 +325,20 @@ class _ReadDocument:
             base += n
 
 
+def _longest_windows_first(reads: list[_ReadDocument]) -> Iterator[WindowText]:
+    """The windows of a block's documents (``reads``, in corpus order) longest first, stable: every full
+    window in corpus order, then each document's shorter last window (or only one), longest first. A
+    last window is made with its document's others and kept (at most ``window`` tokens each)."""
+    tails: list[WindowText] = []
+    for read in reads:
+        walk = read.windows()
+        for _ in range(read.tokens // read.window):
+            yield next(walk)
+        if read.tokens % read.window:
+            tails.append(next(walk))
+    yield from sorted(tails, key=lambda tail: -len(tail.tokens))
+
+
 def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosition, *, rank: int = 0,
                     world: int = 1, on_block_end: Callable[[int], None] | None = None) -> Iterator[Batch]:
     """Walk the corpus under ``plan`` from ``position``; yield this process's batches.
@@ -331,12 +360,16 @@ def iterate_batches(documents, tokenizer, plan: TokenPlan, position: StreamPosit
 
     def batches() -> Iterator[Batch]:
         nonlocal block_reads
-        order = sorted(block_reads, key=lambda r: r.tokens) if plan.sort_by_length else block_reads
+        if plan.longest_windows_first:
+            windows = _longest_windows_first(block_reads)
+        else:
+            order = sorted(block_reads, key=lambda r: r.tokens) if plan.sort_by_length else block_reads
+            windows = (w for read in order for w in read.windows())
         block_reads = []
         budget = plan.batch_size * plan.window  # padded positions per forward
         pending: list[WindowText] = []
         longest = 0
-        for window in (w for read in order for w in read.windows()):
+        for window in windows:
             n = len(window.tokens)
             if pending and (len(pending) + 1) * max(longest, n) > budget:
                 yield _batch(pending)

@@ -11,7 +11,10 @@ import pytest
 
 import kvmem
 from kvmem.corpus import open_corpus
+from kvmem.errors import KvmemError
 from kvmem.plan import Batch, StreamPosition, TokenPlan, iterate_batches
+from kvmem.scanning.config import ScanConfig
+from kvmem.scanning.runner import token_plan
 
 
 def ids_and_texts(corpus):
@@ -102,6 +105,50 @@ def test_length_sorted_batches(gpt2_model):
     assert runs[True][0] == runs[False][0]  # the same windows
     assert runs[True][1] < 0.8 * runs[False][1]  # less padding
     assert all(runs[False][2]) and not all(runs[True][2])
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1000])
+def test_longest_windows_first(gpt2_model, max_tokens):
+    """Each block's windows, longest first and stable (a stable sort of its windows in corpus order): the
+    full windows in corpus order, then each document's shorter last window; the same windows, tokens and
+    following tokens as in corpus order, the budget kept, and less padding than documents shortest first."""
+    rng = random.Random(1)
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.choice([2, 7, 40, 75, 90])))
+             for _ in range(120)]
+    docs = list(open_corpus(texts))
+
+    def read(**order):
+        plan = TokenPlan(window=32, bos_token_id=None, batch_size=4, block_documents=40, max_tokens=max_tokens, **order)
+        return list(iterate_batches(docs, gpt2_model.tokenizer, plan, StreamPosition()))
+
+    corpus_order = read(sort_by_length=False)
+    longest = read(sort_by_length=True, longest_windows_first=True)
+    documents = read(sort_by_length=True)
+    for block in sorted({b.block for b in corpus_order}):
+        windows = [w for b in corpus_order if b.block == block for w in b.windows]
+        expected = sorted(windows, key=lambda w: -len(w.tokens))  # stable: ties keep corpus order
+        got = [w for b in longest if b.block == block for w in b.windows]
+        assert [(w.doc, w.start, w.tokens, w.following) for w in got] == \
+            [(w.doc, w.start, w.tokens, w.following) for w in expected]
+    assert all(len(b.windows) * max(len(w.tokens) for w in b.windows) <= 4 * 32 for b in longest)
+
+    def padded(batches):
+        return sum(len(b.windows) * max(len(w.tokens) for w in b.windows) for b in batches)
+
+    assert padded(longest) < padded(documents)
+    assert sum(b.tokens for b in longest) == sum(b.tokens for b in corpus_order)
+
+
+def test_longest_windows_first_is_recorded_and_needs_a_length_sort(gpt2_model):
+    plan = TokenPlan(window=8, bos_token_id=None, longest_windows_first=True)
+    assert TokenPlan.from_dict(plan.to_dict()) == plan
+    legacy = {k: v for k, v in plan.to_dict().items() if k != "longest_windows_first"}  # an atlas from before
+    assert TokenPlan.from_dict(legacy).longest_windows_first is False
+    with pytest.raises(KvmemError, match="needs sort_by_length"):
+        TokenPlan(window=8, bos_token_id=None, sort_by_length=False, longest_windows_first=True)
+    assert token_plan(gpt2_model, ScanConfig()).longest_windows_first is True
+    assert token_plan(gpt2_model, ScanConfig(per_document=True)).longest_windows_first is False  # documents together
+    assert token_plan(gpt2_model, ScanConfig(sort_by_length=False)).longest_windows_first is False
 
 
 def test_plan_batches_blocks_shards_and_cut(gpt2_model):

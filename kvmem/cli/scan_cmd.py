@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="documents per block, the unit shards and torchrun ranks share out "
                              "(default 64; 2048 for paragraph, line and sentence units)")
     parser.add_argument("--no-length-sort", action="store_true",
-                        help="read each block's documents in corpus order, not shortest first (more padding)")
+                        help="read each block's windows in corpus order, not sorted by length (more padding)")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between checkpoints")
     parser.add_argument("--device", default=None, help=device_help())
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")

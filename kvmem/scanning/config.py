@@ -38,7 +38,9 @@ class ScanConfig:
     block_documents:  documents per block, the unit that shards and ranks share out (None: 64, or 2048 when
                       the corpus unit is a paragraph, line or sentence, so that sorting by length has
                       enough documents to group)
-    sort_by_length:   read each block's documents shortest first (far less padding for short units)
+    sort_by_length:   read each block's windows longest first, a document's shorter last window among
+                      windows of its length (far less padding; with per_document, documents shortest
+                      first, which keeps each document's windows together)
     random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.state
     bin_samples:      positions kept per neuron and histogram bin, for quantile samples (0 = none)
     sample_rate:      fraction of positions the bin samples draw from (bounds their per-token cost)

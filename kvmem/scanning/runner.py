@@ -58,7 +58,9 @@ def token_plan(model: Model, config: ScanConfig, unit: str = "document") -> Toke
     window = resolve_window(model, config)
     return TokenPlan(window=window, bos_token_id=bos, batch_size=resolve_batch_size(model, config, window),
                      max_tokens=config.max_tokens, block_documents=config.block_documents_for(unit), shard=config.shard,
-                     sort_by_length=config.sort_by_length)
+                     sort_by_length=config.sort_by_length,
+                     # per-document bests need each document's windows together: documents shortest first
+                     longest_windows_first=config.sort_by_length and not config.per_document)
 
 
 CPU_AUTO_TOKENS = 2048  # a CPU's throughput is flat beyond this many tokens per forward
