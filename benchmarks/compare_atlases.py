@@ -35,6 +35,7 @@ SETTINGS: dict[str, tuple[str, str, dict]] = {
                                                  sort_by_length=False, top_k=7)),
     "gpt2-shard": ("tiny-gpt2", "pydoc", dict(max_tokens=3000, window=64, batch_size=4, per_document=True,
                                               shard=(1, 2), block_documents=8)),
+    "gpt2-windows": ("tiny-gpt2", "pydoc", dict(max_tokens=3000, window=64, batch_size=4)),  # longest windows first
     "llama-sorted": ("tiny-llama", "pydoc", dict(max_tokens=3000, window=64, batch_size=4, per_document=True)),
     "smollm2": ("smollm2-135m", "pydoc", dict(max_tokens=4000, per_document=True)),
 }
