@@ -58,7 +58,7 @@ def gpt2_atlas(gpt2_model, tmp_path_factory):
                       top_n=5, progress=False)
 
 
-def check_against_brute_force(model, atlas, docs=SHORT_DOCS):
+def check_against_brute_force(model, atlas, docs=SHORT_DOCS, *, per_document=True):
     rows, acts = brute_force(model, docs)
     for layer, m in acts.items():
         for neuron in (0, 7, model.d_ff - 1):
@@ -68,6 +68,8 @@ def check_against_brute_force(model, atlas, docs=SHORT_DOCS):
                 expected = order[:K]
                 assert [(int(d), int(p)) for d, p in zip(got.doc, got.pos)] == [rows[i] for i in expected]
                 np.testing.assert_allclose(got.activation, column[expected], rtol=1e-5, atol=1e-6)
+            if not per_document:
+                continue
             # one trigger per document: the best position of each document, then the best documents
             doc_of = np.array([r[0] for r in rows])
             best = sorted(((column[doc_of == d].max(), d) for d in set(doc_of.tolist())), reverse=True)[:K]
@@ -86,6 +88,31 @@ def test_topk_equals_brute_force_llama(llama_model, tmp_path):
                        per_document=True, top_n=5, context_activations=False, progress=False)
     rows, acts = check_against_brute_force(llama_model, atlas)
     assert (acts[0] < 0).any()  # gated coefficients are signed: bottom-k matters
+
+
+def test_topk_and_statistics_equal_brute_force_reading_windows_longest_first(gpt2_model, tmp_path):
+    """The default order reads each block's windows longest first, so a document's shorter last window
+    is read apart from its others: the triggers and statistics are still those of every window read alone."""
+    from kvmem.plan import StreamPosition, iterate_batches
+
+    atlas = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "a", top_k=K, window=WINDOW, batch_size=3, top_n=5,
+                       progress=False)
+    plan = atlas.manifest.plan
+    assert plan.longest_windows_first
+    order = [(w.doc, w.start) for b in iterate_batches(kvmem.corpus.open_corpus(SHORT_DOCS), gpt2_model.tokenizer,
+                                                       plan, StreamPosition()) for w in b.windows]
+    read_at: dict[int, list[int]] = {}
+    for i, (doc, _) in enumerate(order):
+        read_at.setdefault(doc, []).append(i)
+    assert any(at != list(range(at[0], at[0] + len(at))) for at in read_at.values())  # a document read apart
+    rows, acts = check_against_brute_force(gpt2_model, atlas, per_document=False)
+    neurons = atlas.neurons
+    for layer, m in acts.items():
+        frame = neurons[neurons.layer == layer].sort_values("neuron")
+        assert (frame["count"] == len(rows)).all()
+        np.testing.assert_allclose(frame["mean"], m.astype(np.float64).mean(0), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(frame["min"], m.min(0), rtol=1e-6)
+        np.testing.assert_allclose(frame["max"], m.max(0), rtol=1e-6)
 
 
 def test_statistics_equal_numpy(gpt2_model, gpt2_atlas):
