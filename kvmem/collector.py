@@ -7,8 +7,9 @@ quarter, so the imports and the model load of a ``kvmem scan`` command set off e
 to 1.2 s of a 2,000-token command on an AMD EPYC), and a notebook's first scan two more, while
 numba loads (0.5 s). Young collections walk what the load and the imports just made, once per
 generation: in a notebook, importing the scan engine on the first ``kvmem.scan`` ran eight
-collections of the middle generation over the model's 180,000 objects (0.21-0.23 s). Objects made by imports and a model load live as long as the process or
-the model: walking them again frees nothing.
+collections of the middle generation over the model's 180,000 objects (0.21-0.23 s). Objects made
+by imports and a model load live as long as the process or the model: walking them again frees
+nothing.
 
 - :func:`frozen_heap`: :func:`kvmem.scan` leaves the objects that exist when it starts out of
   collections until it ends (``gc.freeze``, then ``gc.unfreeze``). A notebook gets its collector

@@ -140,9 +140,9 @@ class TokenPlan:
     longest_windows_first: with sort_by_length, read each block's windows longest first instead:
                      its full windows in corpus order, then each document's shorter last window,
                      longest first, so a document's tail shares a forward with windows of about its
-                     length (pydoc, 256-token windows: 1.9% padded positions at 100,000 tokens,
-                     against 7.3%). A document's windows are then no longer together: a scan that
-                     keeps per-document bests reads documents shortest first.
+                     length (pydoc, 256-token windows, 100,000 tokens: real tokens are 98.2% of
+                     the positions computed, against 93.2%). A document's windows are then no longer
+                     together: a scan that keeps per-document bests reads documents shortest first.
     """
 
     window: int
