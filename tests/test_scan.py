@@ -269,7 +269,9 @@ def test_repeated_text_ties_break_by_lowest_position(gpt2_model, tmp_path):
 
 
 def test_resume_after_sigkill(gpt2_dir, gpt2_model, tmp_path):
-    """A scan killed for real (SIGKILL) resumes from its checkpoint without redoing finished batches."""
+    """A scan killed for real (SIGKILL) resumes from its checkpoint without redoing finished batches, also
+    from a checkpoint of the kvmem before windows were read longest first (a per-document scan reads
+    documents shortest first either way); a default scan refuses such a checkpoint with one line."""
     import os
     import signal
     import subprocess
@@ -277,6 +279,7 @@ def test_resume_after_sigkill(gpt2_dir, gpt2_model, tmp_path):
     import time
 
     from kvmem.scanning import runner
+    from kvmem.scanning.checkpoint import load_state
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 4))
@@ -321,6 +324,14 @@ kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r
     half = kvmem.load_model(gpt2_dir, device="cpu", dtype="bfloat16")
     with pytest.raises(kvmem.KvmemError, match="these settings differ from the checkpoint's: .*dtype"):
         kvmem.scan(half, str(corpus), out=out, resume=True, progress=False, **settings)
+    # as the kvmem before longest_windows_first wrote it: its plan lacks the field, its rule read otherwise
+    meta = json.loads(state_file.read_text())
+    del meta["header"]["plan"]["longest_windows_first"]
+    meta["header"]["plan"]["rule"] = "the rule's earlier text"
+    state_file.write_text(json.dumps(meta))
+    windows_first = {**saved["header"], "plan": {**saved["header"]["plan"], "longest_windows_first": True}}
+    with pytest.raises(kvmem.KvmemError, match="an earlier kvmem wrote it, which read each block's documents"):
+        load_state(state_file.parent, windows_first)  # a default scan's plan now reads windows longest first
     real, computed = runner._run_batch, []
     try:
         runner._run_batch = lambda model, batch, *a, **kw: (computed.append(batch), real(model, batch, *a, **kw))[1]

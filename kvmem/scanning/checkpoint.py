@@ -17,13 +17,14 @@ import json
 import os
 import secrets
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvmem.errors import KvmemError
-from kvmem.plan import StreamPosition
+from kvmem.plan import StreamPosition, TokenPlan
 from kvmem.scanning.state import LayerState, ScanState
 from kvmem.scanning.texts import TextStore
 
@@ -56,6 +57,14 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) ->
     if header is not None:
         saved = meta["header"]
         differ = sorted(k for k in set(saved) | set(header) if saved.get(k) != header.get(k))
+        if "plan" in differ and "longest_windows_first" not in saved["plan"]:  # an earlier kvmem's checkpoint
+            before, now = TokenPlan.from_dict(saved["plan"]), TokenPlan.from_dict(header["plan"])
+            if before == now:  # read the same way (documents shortest first, or corpus order); only the rule's text
+                differ.remove("plan")
+            elif before == replace(now, longest_windows_first=False):
+                raise KvmemError(f"cannot resume from {where}: an earlier kvmem wrote it, which read each block's "
+                                 f"documents shortest first, and this one reads windows longest first; finish the "
+                                 f"scan with the kvmem that wrote it, or start over without --resume")
         if "config" in differ:
             differ.remove("config")
             differ += sorted(k for k in set(saved["config"]) | set(header["config"])
