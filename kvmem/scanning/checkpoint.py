@@ -57,11 +57,11 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) ->
     if header is not None:
         saved = meta["header"]
         differ = sorted(k for k in set(saved) | set(header) if saved.get(k) != header.get(k))
-        if "plan" in differ and "longest_windows_first" not in saved["plan"]:  # an earlier kvmem's checkpoint
+        if "plan" in differ:  # compared as plans: the rule's wording (an earlier kvmem's) reads no token otherwise
             before, now = TokenPlan.from_dict(saved["plan"]), TokenPlan.from_dict(header["plan"])
-            if before == now:  # read the same way (documents shortest first, or corpus order); only the rule's text
+            if before == now:
                 differ.remove("plan")
-            elif before == replace(now, longest_windows_first=False):
+            elif "longest_windows_first" not in saved["plan"] and before == replace(now, longest_windows_first=False):
                 raise KvmemError(f"cannot resume from {where}: an earlier kvmem wrote it, which read each block's "
                                  f"documents shortest first, and this one reads windows longest first; finish the "
                                  f"scan with the kvmem that wrote it, or start over without --resume")
