@@ -86,9 +86,11 @@ class Model:
     """
 
     def __init__(self, hf_model, tokenizer, *, spec: ArchitectureSpec, name: str, source: str,
-                 fingerprint: str, revision: str | None, dtype: torch.dtype, device: str | None = None):
+                 fingerprint: str, revision: str | None, dtype: torch.dtype, device: str | None = None,
+                 description: str | None = None):
         self.spec = spec
         self.name = name
+        self.description = description  # what a built-in model is (kvmem.builtin.BUILTIN_MODELS), else None
         self.source = source
         self.fingerprint = fingerprint
         self.revision = revision
@@ -489,6 +491,7 @@ class Model:
         """Everything that identifies this model and its FFN, for manifests."""
         return {
             "name": self.name,
+            "description": self.description,
             "fingerprint": self.fingerprint,
             "revision": self.revision,
             "model_type": self.model_type,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,7 +61,8 @@ def token_plan(model: Model, config: ScanConfig, unit: str = "document") -> Toke
                      max_tokens=config.max_tokens, block_documents=config.block_documents_for(unit), shard=config.shard,
                      sort_by_length=config.sort_by_length,
                      # per-document bests need each document's windows together: documents shortest first
-                     longest_windows_first=config.sort_by_length and not config.per_document)
+                     longest_windows_first=config.sort_by_length and not config.per_document,
+                     skip_first=config.skip_first)
 
 
 CPU_AUTO_TOKENS = 2048  # a CPU's throughput is flat beyond this many tokens per forward
@@ -175,10 +177,19 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
     else:
         state = _fresh_state(model, config, layers)
 
-    with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
-        bar.update(state.tokens)
-        _stream(model, corpus, plan, config, state, engine, rank=rank, world=world, bar=bar,
-                checkpoint=(checkpoint, header) if config.checkpoint_every else None)
+    if config.checkpoint_every and phases.enabled:
+        print(f"kvmem: {checkpoint_rule(config, plan)}", file=sys.stderr)
+    try:
+        with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
+            bar.update(state.tokens)
+            _stream(model, corpus, plan, config, state, engine, rank=rank, world=world, bar=bar,
+                    checkpoint=(checkpoint, header) if config.checkpoint_every else None)
+    except KeyboardInterrupt as interrupt:
+        if config.checkpoint_every:
+            interrupt.add_note(f"a checkpoint of {checkpoint_tokens(checkpoint):,} tokens is in {checkpoint}: continue "
+                               f"with --resume" if checkpoint.exists() else
+                               f"no checkpoint was saved yet ({checkpoint_rule(config, plan)}); --resume cannot continue")
+        raise
     for layer_state in state.layer_states.values():
         close_open_document(engine, layer_state)
     if world > 1:
@@ -197,6 +208,23 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
     if world > 1:
         distributed.barrier()
     return open_atlas(target)
+
+
+def checkpoint_rule(config: ScanConfig, plan: TokenPlan) -> str:
+    """Where a scan's checkpoints fall, in one line for the user."""
+    return (f"checkpoints are saved at the end of a block of {plan.block_documents:,} documents once "
+            f"{config.checkpoint_every:,} tokens have been scanned since the last one (a scan resumes at a block "
+            f"boundary; a block of long documents can hold far more tokens: --block-documents N sets its size)")
+
+
+def checkpoint_tokens(path: Path) -> int:
+    """Tokens scanned in the checkpoint at ``path`` (0 if it cannot be read)."""
+    import json
+
+    try:
+        return int(json.loads((path / "state.json").read_text())["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "document", text_field: str = "text",

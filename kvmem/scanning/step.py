@@ -33,19 +33,27 @@ __all__ = ["BatchRows", "BatchStep", "Positions", "fold_batch", "close_open_docu
 
 
 class Positions(NamedTuple):
-    """Each scored position's place in its window, ``index`` [N] float32 (0 = the window's first scored
-    token; exact integers), and Σ index, Σ index² over the batch (Python integers)."""
+    """Each scored position's place in its window, ``index`` [N] float32 (0 = the window's first token,
+    read or not; exact integers), and Σ index, Σ index² over the batch (Python integers)."""
 
     index: Tensor
     total: int
     total_sq: int
 
     @classmethod
-    def of(cls, lengths: list[int], device) -> Positions:
-        """The positions of windows of ``lengths`` scored tokens, laid out one after the other."""
-        index = torch.cat([torch.arange(n, dtype=torch.float32) for n in lengths]) if lengths else torch.empty(0)
-        return cls(index.to(device), sum(n * (n - 1) // 2 for n in lengths),
-                   sum((n - 1) * n * (2 * n - 1) // 6 for n in lengths))
+    def of(cls, lengths: list[int], device, leads: list[int] | None = None) -> Positions:
+        """The scored positions of windows of ``lengths`` tokens whose first ``leads`` are not scored, laid
+        out one after the other."""
+        leads = leads or [0] * len(lengths)
+        index = (torch.cat([torch.arange(s, n, dtype=torch.float32) for n, s in zip(lengths, leads)]) if lengths
+                 else torch.empty(0))
+
+        def sums(n: int) -> tuple[int, int]:  # Σ p and Σ p² over p = 0..n-1
+            return n * (n - 1) // 2, (n - 1) * n * (2 * n - 1) // 6
+
+        total = sum(sums(n)[0] - sums(s)[0] for n, s in zip(lengths, leads))
+        total_sq = sum(sums(n)[1] - sums(s)[1] for n, s in zip(lengths, leads))
+        return cls(index.to(device), total, total_sq)
 
 
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
@@ -150,28 +158,30 @@ class BatchRows:
               samples: bool, device) -> BatchRows:
         offset = plan.offset
         lengths = [len(w.tokens) for w in batch.windows]
+        leads = [min(plan.skip_first, n) for n in lengths]  # tokens of each window read, not scored
         width = max(lengths) + offset
         ids = torch.zeros((len(batch.windows), width), dtype=torch.int64)  # [batch, pos]
         for row, w in enumerate(batch.windows):
             ids[row, :offset + lengths[row]] = torch.tensor(plan.model_input(w.tokens))
-        lengths_t = torch.tensor(lengths)
-        valid = torch.arange(width)[None, :] - offset < lengths_t[:, None]
-        valid[:, :offset] = False
+        lengths_t, leads_t = torch.tensor(lengths), torch.tensor(leads)
+        scored_t = lengths_t - leads_t  # [windows]
+        column = torch.arange(width)[None, :] - offset  # [1, pos]: index into the window
+        valid = (column >= leads_t[:, None]) & (column < lengths_t[:, None])  # BOS and the leads are not scored
         flat = valid.view(-1).nonzero().squeeze(1)  # [N] scored positions, in reading order
         tokens = ids.view(-1).index_select(0, flat)  # [N], on the CPU
         flat = flat.to(device)
-        window_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)  # [N]
-        first_row = torch.cumsum(lengths_t, 0) - lengths_t  # flat index of each window's first token
-        starts = torch.tensor([w.start for w in batch.windows])
+        window_of = torch.repeat_interleave(torch.arange(len(lengths)), scored_t)  # [N]
+        first_row = torch.cumsum(scored_t, 0) - scored_t  # flat index of each window's first scored token
+        starts = torch.tensor([w.start for w in batch.windows]) + leads_t  # document position of that token
         docs_w = torch.tensor([w.doc for w in batch.windows])
         positions = starts[window_of] + torch.arange(len(window_of)) - first_row[window_of]
         docs = docs_w[window_of].to(device)
         codes = pack(docs, positions.to(device))  # [N], increasing when batch.ordered
         low = first_row[window_of].to(device)
-        high = (first_row + lengths_t)[window_of].to(device)
+        high = (first_row + scored_t)[window_of].to(device)
         steps = torch.arange(-context_before, context_after + 1, device=device)
         keys = position_keys(codes, seed) if samples else None
-        return cls(batch, ids, flat, codes, docs, low, high, keys, steps, tokens, Positions.of(lengths, device))
+        return cls(batch, ids, flat, codes, docs, low, high, keys, steps, tokens, Positions.of(lengths, device, leads))
 
     @property
     def count(self) -> int:
@@ -244,6 +254,6 @@ class BatchStep:
             tokens = tokens.to(self.state.unigrams.device)
             self.state.unigrams.index_add_(0, tokens, torch.ones_like(tokens))
         self.state.texts.add(batch.windows)
-        self.state.tokens += self.rows.count
+        self.state.tokens += self.rows.count  # scored tokens
         self.state.windows += len(batch.windows)
         self.state.batches += 1
