@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvmem.allocator import release_freed_memory
 from kvmem.atlas import open_atlas
 from kvmem.atomic import held_lock
-from kvmem.collector import frozen_heap
 from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
@@ -159,7 +157,7 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     lock = target.with_name(f".{target.name}{f'.rank{rank}' if world > 1 else ''}.lock")
     # one scan at a time per --out (and rank); the objects that exist now (modules, the model) are left out of
     # garbage collections until the scan ends
-    with held_lock(lock, f"the output {target}"), frozen_heap():
+    with held_lock(lock, f"the output {target}"):
         return _scan_into(target, model, corpus, config, layers, plan, phases, rank=rank, world=world,
                           overwrite=overwrite, resume=resume, backend=backend)
 
@@ -283,8 +281,6 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
     for batch in batches:
         _run_batch(model, batch, plan, config, state, backend)
         bar.update(batch.tokens)
-        if state.batches % 16 == 0:
-            release_freed_memory()
         if state.texts.needs_gc():
             state.texts.keep_only(state.referenced_windows(plan.window))
     state.seconds = time.perf_counter() - started
