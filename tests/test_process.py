@@ -80,3 +80,58 @@ def test_the_command_ends_as_python_does_so_a_profiler_and_atexit_see_its_end(tm
                           env=env, timeout=300)
     assert done.returncode == 2 and done.stderr.startswith("kvmem: error: ")
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"atexit": True}
+
+
+HOLD = """
+import sys, time
+{prelude}
+from kvmem.atomic import held_lock
+with held_lock(sys.argv[1], "the output"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+TRY = """
+import sys
+{prelude}
+from kvmem.atomic import held_lock
+from kvmem.errors import KvmemError
+try:
+    with held_lock(sys.argv[1], "the output"):
+        print("acquired")
+except KvmemError as error:
+    print(error)
+"""
+
+NO_FCNTL = "sys.modules['fcntl'] = None  # a platform without fcntl: importing it fails"
+
+
+def _locking(tmp_path, prelude: str) -> tuple[int, str, str]:
+    """(the holder's pid, what a second process got while it held the lock, what a third got after it died)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    lock = str(tmp_path / ".atlas.lock")
+    holder = subprocess.Popen([sys.executable, "-W", "ignore", "-c", HOLD.format(prelude=prelude), lock],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, "-W", "ignore", "-c", TRY.format(prelude=prelude), lock],
+                                capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    third = subprocess.run([sys.executable, "-W", "ignore", "-c", TRY.format(prelude=prelude), lock],
+                           capture_output=True, text=True, env=env, timeout=120)
+    return holder.pid, second.stdout.strip(), third.stdout.strip()
+
+
+def test_an_output_lock_refuses_a_second_process_naming_the_holder_and_frees_when_it_dies(tmp_path):
+    pid, second, third = _locking(tmp_path, "")
+    assert second == f"the output is in use by a running kvmem (pid {pid}); wait for it to finish, or write somewhere else"
+    assert third == "acquired"  # a SIGKILLed holder holds nothing
+
+
+def test_locks_work_where_fcntl_does_not_exist(tmp_path):
+    """``import kvmem`` and its locks need no fcntl (Windows has none): filelock picks another lock."""
+    pid, second, _ = _locking(tmp_path, NO_FCNTL)
+    assert second == f"the output is in use by a running kvmem (pid {pid}); wait for it to finish, or write somewhere else"
