@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvmem import environment
 from kvmem.atlas import open_atlas
 from kvmem.atomic import held_lock
 from kvmem.corpus import Corpus, open_corpus
@@ -292,7 +293,7 @@ PREFETCH_ENV = "KVMEM_PREFETCH"  # 1: read ahead in a thread, 0: do not; unset: 
 def prefetch_enabled(device) -> bool:
     """Whether the corpus walk runs ahead of the forward in a thread: by default on a GPU, where the
     forward is quick next to tokenizing; on a CPU the thread would take cores from the forward."""
-    chosen = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    chosen = (environment.read(PREFETCH_ENV) or "").lower()
     if chosen in ("1", "true", "yes", "on"):
         return True
     if chosen in ("0", "false", "no", "off"):
