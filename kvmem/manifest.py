@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmem.errors import KvmemError
+from kvmem.plan import TokenPlan
 from kvmem.schema import FORMAT_VERSION, READABLE_VERSIONS
 
 if TYPE_CHECKING:
-    from kvmem.plan import TokenPlan
     from kvmem.scanning.config import ScanConfig
 
 __all__ = ["Manifest", "FORMAT_VERSION", "READABLE_VERSIONS"]
@@ -63,8 +63,6 @@ class Manifest:
     # ---- typed views ----
     @property
     def plan(self) -> TokenPlan:
-        from kvmem.plan import TokenPlan
-
         return TokenPlan.from_dict(self.tokenization)
 
     @property

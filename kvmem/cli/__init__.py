@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from importlib import import_module
 
+from kvmem import __version__
+from kvmem.cli.output import os_error_line
 from kvmem.errors import KvmemError
 
 __all__ = ["main", "run", "COMMANDS", "BROKEN_PIPE"]
@@ -46,7 +48,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The command's parser. Without ``argv``, every command gets its arguments; with ``argv``, only the
     command it names does, and the others are listed with their help but their modules are not
     imported (the explain command's arguments import the explanation package: about 0.1 s, and pandas)."""
-    from kvmem import __version__
 
     chosen = _named_command(argv) if argv is not None else None
     parser = argparse.ArgumentParser(prog="kvmem", description="Read a transformer's FFN layers as key-value memories.")
@@ -96,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         if args.debug:
             raise
-        from kvmem.cli.output import os_error_line
 
         print(f"kvmem: error: {os_error_line(error, out=getattr(args, 'out', None))}", file=sys.stderr)
         return 2

@@ -275,7 +275,6 @@ def next_token_rank(atlas: Atlas | str | os.PathLike, model: Model, *, conventio
 def plot_next_token_rank(frame: pd.DataFrame, *, ax=None, convention: str | None = None):
     """Pooled median rank per layer and side (line) with its bootstrap band, the top-1 trigger's median (thin),
     the shuffled baseline (dashed) and |V|/2 (dotted); log scale; one convention (default raw)."""
-
     from kvmem.experiments.value_agreement import side_panels
 
     if not {"layer", "median", "median_ci_low", "median_ci_high"} <= set(frame.columns):
