@@ -116,7 +116,7 @@ def main() -> None:
                                     "--out", str(atlas), "--overwrite", "--quiet"]
                     for n in map(int, args.tokens.split(","))}
         commands["info"] = ["info", "--atlas", str(atlas)]
-        commands["neuron"] = ["neuron", "--atlas", str(atlas), "20", "100"]
+        commands["neuron"] = ["neuron", "--atlas", str(atlas), "20:100"]
         first = next(iter(commands))
         for prefix, env in variants.values():  # warm: the model converted, projections cached, kernels compiled
             timed([*prefix, *commands[first]], env)
@@ -125,6 +125,8 @@ def main() -> None:
             for command, words in commands.items():
                 for name, (prefix, env) in variants.items():
                     results[command][name].append(timed([*prefix, *words], env))
+                    print(json.dumps({"command": command, "variant": name, "seconds": round(results[command][name][-1][0], 2),
+                                      "peak_rss_mb": round(results[command][name][-1][1])}), flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     summary = {}
