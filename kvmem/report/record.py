@@ -64,8 +64,9 @@ def _number(value):
     return float(f"{value:.7g}") if math.isfinite(value) else None
 
 
-def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
-    """The ``kvmem.neuron/1`` dict of one neuron (``record``: its :class:`NeuronRecord`, if already read)."""
+def neuron_data(atlas, layer: int, neuron: int, *, record=None, explanations=None) -> dict:
+    """The ``kvmem.neuron/1`` dict of one neuron (``record``: its :class:`NeuronRecord`, if already read;
+    ``explanations``: its rows of the explanations table, if already read)."""
     from kvmem import __version__
     from kvmem.conventions import CONVENTIONS
     from kvmem.schema import KEY_VECTORS
@@ -107,7 +108,7 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None) -> dict:
     taxonomy = _taxonomy(atlas, layer, neuron)
     if taxonomy is not None:
         data["taxonomy"] = taxonomy
-    data["explanations"] = _explanations(atlas, layer, neuron)
+    data["explanations"] = _explanations(atlas, layer, neuron, explanations)
     return data
 
 
@@ -124,10 +125,10 @@ def _taxonomy(atlas, layer: int, neuron: int) -> dict | None:
             if name not in ("layer", "neuron")}
 
 
-def _explanations(atlas, layer: int, neuron: int) -> list[dict]:
+def _explanations(atlas, layer: int, neuron: int, frame=None) -> list[dict]:
     from kvmem.autointerp.display import explanation_dicts
 
-    rows = explanation_dicts(atlas.explanations(layer, neuron))
+    rows = explanation_dicts(atlas.explanations(layer, neuron) if frame is None else frame)
     return [{k: clean(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
 
 
