@@ -45,7 +45,8 @@ def neuron_view(snapshot, layer: int, neuron: int) -> dict:
                          [t["activation"] for t in triggers.get("bottom", [])])
     frame = record.triggers
     if "gate_pre" in frame:  # each trigger's gate / up pre-activation (gated FFNs with taxonomy sums)
-        pre = {(row.kind, int(row.rank)): (_number(row.gate_pre), _number(row.up_pre)) for row in frame.itertuples()}
+        pre = {(kind, int(rank)): (_number(gate), _number(up)) for kind, rank, gate, up in
+               zip(frame["kind"].to_numpy(), frame["rank"].to_numpy(), frame["gate_pre"].to_numpy(), frame["up_pre"].to_numpy())}
         for kind, rows in triggers.items():
             for t in rows:
                 gate, up = pre.get((kind, t["rank"]), (None, None))
@@ -62,13 +63,13 @@ def _random_samples(snapshot, layer: int, neuron: int) -> list[dict]:
     if not snapshot.has("samples"):
         return []
     frame = snapshot.atlas.samples(layer, neuron, kind="random")
-    return [{"rank": int(row.rank), "activation": _number(row.activation), "doc_id": clean(row.doc_id),
-             "pos": int(row.pos), "token": clean(row.token),
-             "context_tokens": [clean(t) for t in (row.context_tokens if row.context_tokens is not None else [])],
-             "context_trigger": int(row.context_trigger),
-             "context_activations": [_number(a) for a in (row.context_activations
-                                                          if row.context_activations is not None else [])]}
-            for row in frame.sort_values("rank").itertuples()]
+    return [{"rank": int(row["rank"]), "activation": _number(row["activation"]), "doc_id": clean(row["doc_id"]),
+             "pos": int(row["pos"]), "token": clean(row["token"]),
+             "context_tokens": [clean(t) for t in (row["context_tokens"] if row["context_tokens"] is not None else [])],
+             "context_trigger": int(row["context_trigger"]),
+             "context_activations": [_number(a) for a in (row["context_activations"]
+                                                          if row["context_activations"] is not None else [])]}
+            for row in frame.sort_values("rank").to_dict("records")]
 
 
 def _quadrants(data: dict, stats: dict) -> dict | None:

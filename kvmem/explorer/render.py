@@ -8,6 +8,7 @@ from urllib.parse import urlencode
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
+from kvmem.report.text import visible
 from kvmem.shading import LEVELS, Cell, shown
 
 __all__ = ["environment", "num", "cell_class"]
@@ -24,6 +25,15 @@ def num(value, spec: str = ".4g") -> str:
 
 def pct(value, digits: int = 1) -> str:
     return num(value, f".{digits}%")
+
+
+def chip(token) -> str:
+    """A token on its own, on one line: every character visible (:func:`kvmem.report.text.visible`: a newline is ``↵``),
+    and a token of spaces only as ``␣`` per space."""
+    text = str(token)
+    if text and text.strip(" ") == "":
+        return "␣" * len(text)
+    return visible(text)
 
 
 def cell_class(cell: Cell) -> str:
@@ -50,6 +60,6 @@ def with_params(params, **changes) -> str:
 def environment() -> Environment:
     env = Environment(loader=PackageLoader("kvmem.explorer", "templates"), autoescape=select_autoescape(["html"]),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(num=num, pct=pct, tok=shown, cell_class=cell_class)
+    env.filters.update(num=num, pct=pct, tok=shown, chip=chip, inline=visible, cell_class=cell_class)
     env.globals.update(with_params=with_params)
     return env

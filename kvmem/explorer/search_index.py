@@ -70,6 +70,8 @@ class _Vocabulary:
     def __init__(self, size: int):
         self.text: dict[int, str] = {}
         self._seen = np.zeros(max(size, 1), bool)
+        self._by_text: dict[str, list[int]] | None = None
+        self._stripped: dict[str, list[int]] = {}
 
     def add(self, ids: np.ndarray, strings: pa.Array) -> None:
         ids = np.asarray(ids, np.int64)
@@ -82,6 +84,16 @@ class _Vocabulary:
         for token_id, text in zip(ids[take].tolist(), strings.take(pa.array(take)).to_pylist()):
             self.text[token_id] = text
         self._seen[ids[take]] = True
+        self._by_text = None
+
+    def freeze(self) -> None:
+        """Build the text -> ids maps (again after more tokens were added)."""
+        by_text: dict[str, list[int]] = {}
+        stripped: dict[str, list[int]] = {}
+        for token_id, text in self.text.items():
+            by_text.setdefault(text, []).append(token_id)
+            stripped.setdefault(text.strip(), []).append(token_id)
+        self._by_text, self._stripped = by_text, stripped
 
     def match(self, query: str) -> TokenMatch:
         """``#123``: token id 123. Text with a leading or trailing space: that exact token. Other text: every
@@ -90,13 +102,8 @@ class _Vocabulary:
             token_id = int(query[1:])
             return TokenMatch([token_id], f"token id {token_id} ({self.text.get(token_id, 'not seen')!r})")
         exact = query != query.strip()
-        if not hasattr(self, "_by_text"):
-            by_text: dict[str, list[int]] = {}
-            stripped: dict[str, list[int]] = {}
-            for token_id, text in self.text.items():
-                by_text.setdefault(text, []).append(token_id)
-                stripped.setdefault(text.strip(), []).append(token_id)
-            self._by_text, self._stripped = by_text, stripped
+        if self._by_text is None:
+            self.freeze()
         ids = self._by_text.get(query, []) if exact else self._stripped.get(query.strip(), [])
         shown = ", ".join(repr(self.text[i]) for i in sorted(ids)[:8])
         how = "exactly" if exact else "ignoring surrounding spaces"
@@ -133,6 +140,8 @@ class SearchIndex:
         for convention in self.snapshot.atlas.conventions:
             self.values(convention)
         self.triggers()
+        self.explanations()
+        self.vocabulary.freeze()
 
     def values(self, convention: str) -> dict:
         """{kind: (token ids sorted [R], flat [R], rank [R], score [R])} and the rank-0 promoted token of each neuron."""
@@ -189,9 +198,9 @@ class SearchIndex:
 
     def _build_triggers(self) -> dict:
         atlas = self.snapshot.atlas
-        codes, token, next_token, texts = [], [], [], []
+        codes, token, next_token, texts, spans = [], [], [], [], []
         for group in atlas.row_groups("contexts", ["doc", "pos", "token_id", "token", "next_token_id", "next_token",
-                                                   "context"]):
+                                                   "context", "span_start", "span_end"]):
             codes.append((group.column("doc").to_numpy().astype(np.int64) << 32)
                          | group.column("pos").to_numpy().astype(np.int64))
             token.append(group.column("token_id").to_numpy().astype(np.int32))
@@ -199,12 +208,15 @@ class SearchIndex:
             self.vocabulary.add(token[-1], group.column("token").combine_chunks())
             self.vocabulary.add(next_token[-1], group.column("next_token").combine_chunks())
             texts.extend(group.column("context").chunks)
+            spans.append(np.stack([group.column("span_start").to_numpy(), group.column("span_end").to_numpy()], 1)
+                         .astype(np.int32))
         codes_all = np.concatenate(codes) if codes else np.zeros(0, np.int64)
         order = np.argsort(codes_all, kind="stable")
         position_token = np.concatenate(token)[order] if token else np.zeros(0, np.int32)
         position_next = np.concatenate(next_token)[order] if next_token else np.zeros(0, np.int32)
         context = pa.chunked_array(texts, pa.string()).take(pa.array(order)) if texts else pa.chunked_array([], pa.string())
         codes_all = codes_all[order]
+        span = np.concatenate(spans)[order] if spans else np.zeros((0, 2), np.int32)  # [positions, 2]
 
         rows: dict[str, list] = {"flat": [], "side": [], "rank": [], "activation": [], "position": []}
         for group in atlas.row_groups("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc", "pos"]):
@@ -235,7 +247,7 @@ class SearchIndex:
         top_trigger = np.full(self.snapshot.n_neurons, -1, np.int32)
         first = (out["side"] == 0) & (out["rank"] == 0)
         top_trigger[out["flat"][first]] = fires[first]
-        out.update(position_token=position_token, position_next=position_next, context=context,
+        out.update(position_token=position_token, position_next=position_next, context=context, span=span,
                    top_trigger_token=top_trigger)
         return out
 
@@ -301,7 +313,8 @@ class SearchIndex:
         position = int(t["position"][row])
         return {"rank": int(t["rank"][row]), "activation": float(t["activation"][row]),
                 "token": self.vocabulary.text.get(int(t["position_token"][position]), ""),
-                "context": t["context"][position].as_py()}
+                "context": t["context"][position].as_py(), "span_start": int(t["span"][position, 0]),
+                "span_end": int(t["span"][position, 1])}
 
 
 def _slices(sorted_keys: np.ndarray, ids: list[int]) -> np.ndarray:
