@@ -106,7 +106,7 @@ def cells(tokens: Sequence[str], activations: Sequence[float] | None, trigger: i
 
 
 def shaded_html(row: Sequence[Cell]) -> str:
-    """Cells as HTML with inline styles (for notebooks; the explorer uses classes): the trigger is a ``<mark>``."""
+    """Cells as HTML with inline styles (for notebooks; the explorer uses classes): the trigger inside a ``<mark>``."""
     parts = []
     for cell in row:
         style = "white-space:pre-wrap;unicode-bidi:isolate;"
@@ -116,10 +116,8 @@ def shaded_html(row: Sequence[Cell]) -> str:
         if cell.saturated:
             style += "text-decoration:underline;"
         title = f' title="m = {cell.value:.4g}"' if cell.value is not None else ""
-        tag = "mark" if cell.trigger else "span"
         if cell.trigger:
-            style += "outline:1.5px solid #222;color:inherit;font-weight:700;"
-            if not cell.level:
-                style += "background:transparent;"
-        parts.append(f'<{tag} style="{style}"{title}>{html.escape(cell.text)}</{tag}>')
+            style += "outline:1.5px solid #222;font-weight:700;"
+        span = f'<span style="{style}"{title}>{html.escape(cell.text)}</span>'
+        parts.append(f"<mark>{span}</mark>" if cell.trigger else span)
     return "".join(parts)

@@ -376,7 +376,7 @@ def test_neuron_record_html_shades_each_token(explorer_atlas):
             self.styles, self.marks = [], 0
 
         def handle_starttag(self, tag, attrs):
-            if tag in ("span", "mark"):
+            if tag == "span":
                 self.styles.append(dict(attrs).get("style", ""))
             self.marks += tag == "mark"
 
@@ -386,3 +386,36 @@ def test_neuron_record_html_shades_each_token(explorer_atlas):
     assert spans.marks == len(top) + len(bottom)  # each trigger token marked
     assert len(spans.styles) == sum(len(tokens) for tokens in [*top.context_tokens, *bottom.context_tokens])
     assert sum("background:rgba(217,102,31" in s for s in spans.styles) > len(top)  # shaded token by token
+
+
+def test_explore_from_a_notebook_starts_and_stops(explorer_atlas, llama_model):
+    import threading
+    import urllib.request
+
+    before = {thread.name for thread in threading.enumerate()}
+    running = kvmem.explore(kvmem.open(explorer_atlas), model=llama_model)  # a loaded model is used as it is
+    try:
+        assert running.url.startswith("http://127.0.0.1:") and f'<iframe src="{running.url}"' in running._repr_html_()
+        with urllib.request.urlopen(running.url + "api/status", timeout=60) as response:
+            status = json.loads(response.read())
+        assert status["model"]["state"] == "ready" and status["model"]["fingerprint_match"] is True
+        with urllib.request.urlopen(running.url + "api/trace?prompt=Hello", timeout=120) as response:
+            assert json.loads(response.read())["model"] == llama_model.name
+    finally:
+        running.stop()
+    assert not running.thread.is_alive()
+    for thread in threading.enumerate():  # the index builder may finish a moment later
+        if thread.name.startswith("kvmem-explorer") and thread.name not in before:
+            thread.join(60)
+    assert {t.name for t in threading.enumerate() if t.name.startswith("kvmem-explorer")} <= before
+    with pytest.raises(OSError):
+        urllib.request.urlopen(running.url + "api/status", timeout=5)
+
+
+def test_row_groups_stream_a_table_one_layer_at_a_time(explorer_atlas):
+    atlas = kvmem.open(explorer_atlas)
+    groups = list(atlas.row_groups("triggers", ["layer", "neuron", "activation"]))
+    assert sum(len(g) for g in groups) == pq.ParquetFile(explorer_atlas / "triggers.parquet").metadata.num_rows
+    assert all(len(set(g.column("layer").to_pylist())) == 1 for g in groups)
+    with pytest.raises(kvmem.KvmemError, match="stores no column"):
+        next(atlas.row_groups("triggers", ["context"]))  # texts live in the contexts table

@@ -393,7 +393,8 @@ def create_app(holder: Holder, live: LiveModel, *, allowed_hosts: list[str] | No
 
 class SecurityHeaders:
     """ASGI middleware: the Content-Security-Policy and the other protective headers on every response
-    (a route may set its own policy first, as the static report does)."""
+    (a route may set its own policy first, as the static report does), and ``Server-Timing: app;dur=MS``, the
+    time the application took to answer (``benchmarks/explorer.py`` reads it)."""
 
     def __init__(self, app):
         self.app = app
@@ -402,9 +403,12 @@ class SecurityHeaders:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = time.perf_counter()
+
         async def with_headers(message):
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
+                headers.append((b"server-timing", f"app;dur={(time.perf_counter() - started) * 1000:.2f}".encode()))
                 names = {name.lower() for name, _ in headers}
                 for name, value in SECURITY_HEADERS.items():
                     if name.encode() not in names:
