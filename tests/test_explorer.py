@@ -419,3 +419,21 @@ def test_row_groups_stream_a_table_one_layer_at_a_time(explorer_atlas):
     assert all(len(set(g.column("layer").to_pylist())) == 1 for g in groups)
     with pytest.raises(kvmem.KvmemError, match="stores no column"):
         next(atlas.row_groups("triggers", ["context"]))  # texts live in the contexts table
+
+
+def test_a_plain_gpt2_atlas_without_taxonomy_or_explanations(atlas, tmp_path):
+    """The experiments' atlas: GPT-2 (a plain GELU FFN), no taxonomy, explanations or context coefficients."""
+    server = start_server(atlas.path, "--no-model", log=tmp_path / "serve.log")
+    try:
+        for path in ("/", "/neuron/1/5", "/search?by=all&layer=0", "/search?by=fires&q=the", "/trace"):
+            code, _, body = server.get(path)
+            assert code == 200, (path, body[-500:])
+        _, view = server.json("/api/neuron/1/5")
+        assert view["quadrants"] is None and "taxonomy" not in view["neuron"] and view["neuron"]["explanations"] == []
+        code, error = server.json("/api/search?by=class&q=rare")
+        assert code == 400 and "no taxonomy table" in error["error"]["message"]
+        code, error = server.json("/neuron/1/5/export")
+        assert code == 400 and "kvmem export" in error["error"]["message"]
+    finally:
+        server.stop()
+    assert "Traceback" not in server.stderr()

@@ -109,6 +109,13 @@ def _consistent(snapshot, build):
     return result
 
 
+def _wants_json(request: Request) -> bool:
+    """JSON routes (``/api/...``, a neuron's export) and clients that ask for JSON get errors as JSON."""
+    accept = request.headers.get("accept", "")
+    return (request.url.path.startswith("/api/") or request.url.path.endswith("/export")
+            or ("application/json" in accept and "text/html" not in accept))
+
+
 def _json(data: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(_finite(data), status_code=status)
 
@@ -360,7 +367,7 @@ def create_app(holder: Holder, live: LiveModel, *, allowed_hosts: list[str] | No
             log.exception("kvmem explorer: %s %s failed", request.method, request.url.path)
             status, message = 500, f"the server failed on this request ({type(problem).__name__}); see its log"
         kind = type(problem).__name__
-        if request.url.path.startswith("/api/"):
+        if _wants_json(request):
             response = _json({"error": {"status": status, "kind": kind, "message": message}}, status)
         else:
             try:
