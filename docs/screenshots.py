@@ -37,6 +37,7 @@ def main() -> None:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM)
             page = browser.new_page(viewport={"width": 1280, "height": args.height}, device_scale_factor=1)
+            page.set_default_timeout(900_000)  # a trace with two generations on a busy CPU
             page.goto(f"{running.url}neuron/{layer}/{neuron}")
             page.screenshot(path=FIGURES / "explorer-neuron.png")
             query = urlencode({"prompt": args.prompt, "top": 3, "generate": 1, "max_new_tokens": 12,

@@ -138,7 +138,9 @@ def _visible(text: str) -> str:
 
 
 def _chip(token: str) -> str:
-    return "␣" * len(token) if token and token.strip(" ") == "" else visible(token)
+    if token and token.strip() == "":
+        return "".join("␣" if c == " " else visible(c) if c in "\n\t\r" else f"⟨U+{ord(c):04X}⟩" for c in token)
+    return visible(token)
 
 
 def _shown_bins(counts: list[int]) -> int:

@@ -28,11 +28,12 @@ def pct(value, digits: int = 1) -> str:
 
 
 def chip(token) -> str:
-    """A token on its own, on one line: every character visible (:func:`kvmem.report.text.visible`: a newline is ``↵``),
-    and a token of spaces only as ``␣`` per space."""
+    """A token on its own, on one line: every character visible (:func:`kvmem.report.text.visible`: a newline is ``↵``);
+    in a token of whitespace only, a space shows as ``␣`` and any other space character as ``⟨U+XXXX⟩``."""
     text = str(token)
-    if text and text.strip(" ") == "":
-        return "␣" * len(text)
+    if text and text.strip() == "":  # only whitespace: every character named
+        return "".join("␣" if char == " " else visible(char) if char in "\n\t\r" else f"⟨U+{ord(char):04X}⟩"
+                       for char in text)
     return visible(text)
 
 

@@ -69,8 +69,7 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/"
 
 
-def build(atlas, *, model: Any = None, device: str = "cpu", load_model: bool = True, host: str = "127.0.0.1",
-          port: int = 0):
+def build(atlas, *, model: Any = None, device: str = "cpu", load_model: bool = True, host: str = "127.0.0.1"):
     """(app, live model, url) for the atlas at ``atlas`` (a path or an Atlas); ``model``: a model name or directory,
     or a loaded :class:`~kvmem.models.Model`, or None for the manifest's."""
     from kvmem.explorer.app import create_app
@@ -102,7 +101,11 @@ def serve(atlas, *, host: str = "127.0.0.1", port: int = 8000, model: Any = None
     if warning:
         print(f"kvmem serve: warning: {warning}", file=sys.stderr, flush=True)
     sock = bind(host, port)
-    app, live = build(atlas, model=model, device=device, load_model=load_model, host=host, port=port)
+    try:
+        app, live = build(atlas, model=model, device=device, load_model=load_model, host=host)
+    except BaseException:
+        sock.close()
+        raise
     url = _url(host, sock.getsockname()[1])
     live.start()
     status = {"loading": f"model {live.name} loading in the background", "ready": f"model {live.name} ready",
@@ -149,7 +152,11 @@ def start_in_thread(atlas, *, host: str = "127.0.0.1", port: int = 0, model: Any
     if warning:
         warnings.warn(warning, stacklevel=3)
     sock = bind(host, port)
-    app, live = build(atlas, model=model, device=device, load_model=load_model, host=host, port=port)
+    try:
+        app, live = build(atlas, model=model, device=device, load_model=load_model, host=host)
+    except BaseException:
+        sock.close()
+        raise
     live.start()
     server = _server(app, log_level="error")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvmem-explorer", daemon=True)
