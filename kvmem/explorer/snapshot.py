@@ -183,9 +183,9 @@ class Snapshot:
     def _explanations(self) -> pd.DataFrame:
         from kvmem.autointerp.store import FILE, empty
 
-        if not (self.path / FILE).exists():
-            return empty()
-        return self.atlas.explanations()
+        frame = self.atlas.explanations() if (self.path / FILE).exists() else empty()
+        # the example codes (lists of positions) are most of the table's memory and no page shows them
+        return frame.drop(columns=[c for c in frame.columns if c.endswith("_codes")])
 
 
 TAXONOMY_FLAGS = ("prediction", "suppression", "entropy_candidate", "dead", "rare", "positional", "token_frequency")
