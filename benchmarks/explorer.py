@@ -7,9 +7,10 @@ record through the Python API (``Atlas.neuron`` + ``kvmem.report.neuron_data``, 
 --format json`` computes), and for a few neurons the static HTML report with its figures. Each search kind
 is alternated with the Python API's nearest query (``Atlas.top_neurons``, ``Atlas.search``).
 
-Then it cuts the atlas into atlases of its first L layers (the same row groups, hard-linked contexts) and
-measures the same pages and searches, the index build time and the server's memory on each, fits
-time = a + b * neurons, and extrapolates to a Llama-3.1-8B atlas (32 x 14,336 = 458,752 neurons).
+It also cuts the atlas into atlases of its first L layers (the same row groups, the same contexts) and
+serves them all at once: each round asks every server in turn, so the host's load weighs on every size
+alike. Per size: the pages and searches, the index build time and the server's memory; then a fit
+a + b * neurons, extrapolated to a Llama-3.1-8B atlas (32 x 14,336 = 458,752 neurons).
 
     python benchmarks/explorer.py --atlas ATLAS [--samples 40] [--layers 4,8,15,30]
 """
@@ -85,7 +86,7 @@ def searches(atlas) -> dict[str, str]:
     triggers = atlas.triggers(atlas.layers[0], 0, kind="top")
     out = {
         "browse all, by max": "/api/search?by=all",
-        "browse one layer": f"/api/search?by=all&layer={atlas.layers[-1]}&sort=frac_positive",
+        "browse one layer": f"/api/search?by=all&layer={atlas.layers[0]}&sort=frac_positive",  # in every cut
         "promotes a token": f"/api/search?by=promotes&q=%23{int(values.token_id.iloc[0])}",
         "fires on a token": f"/api/search?by=fires&q=%23{int(triggers.token_id.iloc[0])}",
         "precedes a token": "/api/search?by=precedes&q=%20the",
@@ -98,62 +99,72 @@ def searches(atlas) -> dict[str, str]:
     return out
 
 
-def measure(atlas_path: Path, samples: int, *, baseline: bool) -> dict:
+def measure(paths: dict[int, Path], samples: int) -> dict[int, dict]:
+    """Every atlas served at once; each round asks every server in turn (rotating the order), so the host's
+    load weighs on all sizes alike. The Python API baselines run in this process, alternated with the pages
+    of the whole atlas (the largest key)."""
     from kvmem.report.record import neuron_data
 
-    atlas = kvmem.open(atlas_path)
-    server = Server(atlas_path)
-    rng = random.Random(0)
-    result = {"neurons": len(atlas.layers) * atlas.d_ff, "startup_s": round(server.startup, 2),
-              "index_s": round(server.index_seconds, 2)}
+    whole = max(paths)
+    atlases = {n: kvmem.open(path) for n, path in paths.items()}
+    servers = {}
     try:
-        pages, apis, records, reports = [], [], [], []
-        server.get("/neuron/0/0")
+        for n, path in paths.items():
+            servers[n] = Server(path)
+        results = {n: {"neurons": n, "startup_s": round(servers[n].startup, 2), "index_s": round(servers[n].index_seconds, 2),
+                       "pages": [], "apis": [], "search": {}} for n in paths}
+        rng = random.Random(0)
+        records, reports, base_search = [], [], {}
+        order = list(paths)
+        for n in order:
+            servers[n].get("/neuron/0/0")
         for i in range(samples):
-            layer, neuron = rng.choice(atlas.layers), rng.randrange(atlas.d_ff)
-            steps = ["page", "api", "record"] if i % 2 == 0 else ["record", "api", "page"]  # alternated
-            for step in steps:
-                if step == "page":
-                    pages.append(server.get(f"/neuron/{layer}/{neuron}")[0])
-                elif step == "api":
-                    apis.append(server.get(f"/api/neuron/{layer}/{neuron}")[0])
-                elif baseline:
+            layer, neuron = rng.choice(atlases[min(paths)].layers), rng.randrange(atlases[whole].d_ff)  # in every cut
+            order = order[1:] + order[:1]
+            for n in order:
+                results[n]["pages"].append(servers[n].get(f"/neuron/{layer}/{neuron}")[0])
+                results[n]["apis"].append(servers[n].get(f"/api/neuron/{layer}/{neuron}")[0])
+                if n == whole:
                     start = time.perf_counter()
-                    neuron_data(atlas, layer, neuron)
+                    neuron_data(atlases[whole], layer, neuron)
                     records.append((time.perf_counter() - start) * 1000)
-            if baseline and i < 4:
+            if i < 3:
                 start = time.perf_counter()
-                kvmem.report.export_neuron(atlas, layer, neuron, format="html", out=tempfile.mkdtemp())
+                kvmem.report.export_neuron(atlases[whole], layer, neuron, format="html", out=tempfile.mkdtemp())
                 reports.append((time.perf_counter() - start) * 1000)
-        result["neuron_page_ms"], result["neuron_api_ms"] = _median(pages), _median(apis)
-        result["neuron_page_spread_ms"] = [round(min(pages), 1), round(max(pages), 1)]
-        if baseline:
-            result["baseline_record_ms"] = _median(records)
-            result["baseline_static_report_ms"] = _median(reports)
-        result["search_ms"] = {}
-        result["baseline_search_ms"] = {}
-        queries = searches(atlas)
+        atlas = atlases[whole]
         token = int(atlas.values(atlas.layers[-1], 0, kind="promote").token_id.iloc[0])
         python = {"promotes a token": lambda: atlas.top_neurons(token=token, by="value", k=50),
                   "precedes a token": lambda: atlas.top_neurons(token=" the", by="trigger", k=50),
                   "regex over contexts": lambda: atlas.search(r"\bassert\b", limit=50)}
-        for name, path in queries.items():
-            times, base = [], []
+        for name, path in searches(atlas).items():
+            times = {n: [] for n in paths}
+            base = []
             for _ in range(max(samples // 4, 5)):
-                times.append(server.get(path)[0])
-                if baseline and name in python:
+                order = order[1:] + order[:1]
+                for n in order:
+                    times[n].append(servers[n].get(path)[0])
+                if name in python:
                     start = time.perf_counter()
                     python[name]()
                     base.append((time.perf_counter() - start) * 1000)
-            result["search_ms"][name] = _median(times)
+            for n in paths:
+                results[n]["search"][name] = _median(times[n])
             if base:
-                result["baseline_search_ms"][name] = _median(base[1:])  # its first call builds its caches
-        result["search_worst_ms"] = max(result["search_ms"].values())
-        rss, peak = server.memory_mb()
-        result["server_rss_mb"], result["server_peak_mb"] = round(rss), round(peak)
+                base_search[name] = _median(base[1:])  # its first call builds its caches
+        for n, server in servers.items():
+            r = results[n]
+            r["neuron_page_ms"], r["neuron_api_ms"] = _median(r.pop("pages")), _median(r.pop("apis"))
+            r["search_ms"] = r.pop("search")
+            r["search_worst_ms"] = max(r["search_ms"].values())
+            r["server_rss_mb"], r["server_peak_mb"] = (round(x) for x in server.memory_mb())
+        results[whole]["baseline_record_ms"] = _median(records)
+        results[whole]["baseline_static_report_ms"] = _median(reports)
+        results[whole]["baseline_search_ms"] = base_search
     finally:
-        server.stop()
-    return result
+        for server in servers.values():
+            server.stop()
+    return results
 
 
 def cut(source: Path, target: Path, layers: int) -> Path:
@@ -170,7 +181,10 @@ def cut(source: Path, target: Path, layers: int) -> Path:
             continue
         file = pq.ParquetFile(path)
         if "layer" not in file.schema_arrow.names:
-            os.link(path, target / path.name)
+            try:
+                os.link(path, target / path.name)
+            except OSError:  # another file system
+                shutil.copy(path, target / path.name)
             continue
         if path.name in ("taxonomy.parquet", "explanations.parquet"):
             table = pq.read_table(path)
@@ -205,15 +219,14 @@ def main() -> None:
     print(f"atlas {source.name}: {atlas.manifest.model['name']}, {len(atlas.layers)} x {atlas.d_ff} neurons, "
           f"{atlas.manifest.tokens:,} tokens; triggers table {uncompressed_mb(source / 'triggers.parquet'):.0f} MB and "
           f"samples {uncompressed_mb(source / 'samples.parquet'):.0f} MB uncompressed")
-    full = measure(source, args.samples, baseline=True)
-    print(json.dumps(full, indent=1))
-    rows = []
     with tempfile.TemporaryDirectory(prefix="kvmem-explorer-bench-") as folder:
-        for count in [int(x) for x in args.layers.split(",") if int(x) < len(atlas.layers)]:
-            part = cut(source, Path(folder) / f"L{count}", count)
-            rows.append(measure(part, max(args.samples // 2, 10), baseline=False))
-            shutil.rmtree(part)
-    rows.append(full)
+        paths = {count * atlas.d_ff: cut(source, Path(folder) / f"L{count}", count)
+                 for count in [int(x) for x in args.layers.split(",") if int(x) < len(atlas.layers)]}
+        paths[len(atlas.layers) * atlas.d_ff] = source
+        results = measure(paths, args.samples)
+    rows = [results[n] for n in sorted(results)]
+    full = rows[-1]
+    print(json.dumps(full, indent=1))
     print("\nneurons | page ms | api ms | worst search ms | index s | server RSS MB | peak MB")
     for r in rows:
         print(f"{r['neurons']:>7,} | {r['neuron_page_ms']:>7} | {r['neuron_api_ms']:>6} | {r['search_worst_ms']:>15} | "

@@ -112,6 +112,11 @@ def test_search_by_promoted_token_sorted_and_paginated(explorer_atlas, explorer_
     assert _pairs(page2["rows"]) == [pair for pair, _ in order][per_page:2 * per_page]
     _, ascending = explorer_server.json(f"/api/search?by=promotes&q=%23{token}&per_page=500&sort=match&order=asc")
     assert _pairs(ascending["rows"]) == [pair for pair, _ in sorted(hits.items(), key=lambda item: (item[1], item[0]))]
+    suppressed = values[(values.convention == convention) & (values.kind == "suppress")]
+    token = Counter(suppressed.token_id).most_common(1)[0][0]
+    lowest = suppressed[suppressed.token_id == token].groupby(["layer", "neuron"]).score.min()
+    _, result = explorer_server.json(f"/api/search?by=suppresses&q=%23{token}&per_page=500")
+    assert _pairs(result["rows"]) == [pair for pair, _ in sorted(lowest.items(), key=lambda item: (item[1], item[0]))]
 
 
 def test_search_by_trigger_token_context_explanation_class_and_score(explorer_atlas, explorer_server):
@@ -437,3 +442,24 @@ def test_a_plain_gpt2_atlas_without_taxonomy_or_explanations(atlas, tmp_path):
     finally:
         server.stop()
     assert "Traceback" not in server.stderr()
+
+
+def test_the_docs_name_every_route_and_parameter(explorer_atlas):
+    import inspect
+    from pathlib import Path
+
+    from kvmem.explorer import app as app_module
+    from kvmem.explorer.server import build
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "explorer.md").read_text()
+    app, _ = build(explorer_atlas, load_model=False)
+    for route in app.routes:
+        if route.path != "/static":
+            assert f"`{route.path.replace(':int', '')}" in docs or f"`GET {route.path.replace(':int', '')}`" in docs \
+                or f"`POST {route.path}`" in docs, route.path
+    source = inspect.getsource(app_module)
+    names = set(re.findall(r'_(?:int|float|choice)\(request, "(\w+)"', source))
+    names |= set(re.findall(r'(?:query_params|params)\.get(?:list)?\("(\w+)"', source))
+    assert len(names) > 15
+    missing = sorted(name for name in names if f"`{name}`" not in docs)
+    assert missing == [], missing
