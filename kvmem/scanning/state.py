@@ -216,7 +216,7 @@ class LayerState:
     ``random``/``bins``: the samples of :mod:`kvmem.scanning.state` (None when switched off).
 
     Taxonomy sums (None / 0 when switched off): ``position_product`` [2, F] float64 double-double
-    Σ m·p, p the position in the window (0 = the window's first scored token); ``position_total`` /
+    Σ m·p, p the position in the window (0 = the window's first token, scored or not); ``position_total`` /
     ``position_sq_total`` Σp, Σp² (exact integers, the same for every neuron); ``quadrants`` [4, F]
     int64 (gated FFNs): positions with (gate > 0, up > 0), (gate > 0, up <= 0), (gate <= 0, up > 0),
     (gate <= 0, up <= 0), gate and up the pre-activations W_gate x and W_up x. ``extras``: values
