@@ -42,32 +42,25 @@ class BatchStatistics(NamedTuple):
 
 class Documents(NamedTuple):
     """A batch's documents, laid out once per batch for every layer: document s is rows starts[s] ..
-    starts[s] + lengths[s] - 1 of acts [N, F] (in order). ``gather`` [S * longest] is the row of acts at
-    each (document, offset), 0 where the document is shorter (``padded`` [p]: those flat places)."""
+    starts[s] + lengths[s] - 1 of acts [N, F] (in order; on the device). ``longest_complete``: the
+    most rows of a document but the last; ``last_length``: the last one's rows (host integers)."""
 
     starts: Tensor
     lengths: Tensor
-    longest: int
-    gather: Tensor
-    padded: Tensor
+    longest_complete: int
+    last_length: int
 
     @property
     def count(self) -> int:
         return self.starts.shape[0]
 
     @classmethod
-    def of(cls, lengths: np.ndarray, device) -> Documents:
+    def of(cls, lengths, device) -> Documents:
         """From the documents' lengths in rows (host integers, in order), one copy to ``device``."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        starts = np.cumsum(lengths) - lengths
-        longest = int(lengths.max()) if lengths.size else 0
-        offsets = np.arange(longest, dtype=np.int64)
-        padding = offsets[None, :] >= lengths[:, None]  # [S, longest]
-        gather = np.where(padding, 0, starts[:, None] + offsets[None, :]).reshape(-1)
-        padded = np.flatnonzero(padding)
-        parts = to_device(np.concatenate([starts, lengths, gather, padded]), device)
-        s, g = len(lengths), gather.size
-        return cls(parts[:s], parts[s:2 * s], longest, parts[2 * s:2 * s + g], parts[2 * s + g:])
+        parts = to_device(np.concatenate([np.cumsum(lengths) - lengths, lengths]), device)
+        s = len(lengths)
+        return cls(parts[:s], parts[s:], int(lengths[:-1].max()) if s > 1 else 0, int(lengths[-1]))
 
 
 def to_device(array: np.ndarray, device) -> Tensor:

@@ -250,32 +250,36 @@ def fold_entries(side: Side, values: Tensor, codes: Tensor, context_of: ContextF
 
 
 class _Documents:
-    """A batch's documents (:class:`~kvmem.scanning.backends.base.Documents`) gathered from acts into one
-    padded block [S, longest, F] (length-sorted batches keep the padding small), so that each
-    document's extremes cost one reduction, not scatters over N × F."""
+    """A batch's documents (:class:`~kvmem.scanning.backends.base.Documents`) read from acts [N, F]
+    in memory linear in N, whatever their lengths (a padded [documents, longest, F] block grows with
+    the square of the batch when one long document shares it with many short ones)."""
 
     def __init__(self, acts: Tensor, documents: Documents):
-        self.starts, self.lengths, self.longest = documents.starts, documents.lengths, documents.longest
-        self.offsets = torch.arange(self.longest, device=acts.device)
-        self.padding = self.offsets[None, :] >= self.lengths[:, None]  # [S, longest]
-        self.block = acts.index_select(0, documents.gather).view(documents.count, self.longest, acts.shape[1])
-        self.padded_rows = documents.padded  # rows of block.view(-1, F)
+        self.acts, self.documents = acts, documents
+        self.starts, self.lengths = documents.starts, documents.lengths
 
     def best(self, largest: bool) -> Tensor:
-        """Each document's largest (or smallest) value per neuron [S, F]."""
-        if self.padded_rows.numel():
-            fill = float("-inf") if largest else float("inf")
-            self.block.view(-1, self.block.shape[2]).index_fill_(0, self.padded_rows, fill)
-        return self.block.amax(dim=1) if largest else self.block.amin(dim=1)
+        """Each document's largest (or smallest) value per neuron [S, F] (one segmented reduction)."""
+        return torch.segment_reduce(self.acts, "max" if largest else "min", lengths=self.lengths, axis=0)
 
-    def first_row(self, documents: Tensor, neurons: Tensor, values: Tensor) -> Tensor:
+    def first_row(self, documents: Tensor, neurons: Tensor, values: Tensor, longest: int) -> Tensor:
         """The first row of acts where document documents[i] holds values[i] for neuron neurons[i] -> [c]
-        (the document's first row when none does: a value carried over from an earlier batch)."""
-        d_ff = self.block.shape[2]
-        flat = (documents[:, None] * self.longest + self.offsets[None, :]) * d_ff + neurons[:, None]  # [c, longest]
-        found = self.block.view(-1).index_select(0, flat.view(-1)).view(flat.shape) == values[:, None]
-        found &= ~self.padding.index_select(0, documents)
-        return self.starts.index_select(0, documents) + found.to(torch.uint8).argmax(dim=1)  # argmax: the first
+        (the document's first row when none does: a value carried over from an earlier batch);
+        ``longest``: the most rows of those documents. Read in chunks of at most N × F / 4 places."""
+        n, d_ff = self.acts.shape
+        c = documents.shape[0]
+        offsets = torch.arange(max(longest, 1), device=self.acts.device)
+        per_chunk = max(1, n * d_ff // (4 * max(longest, 1)))
+        found_rows = []
+        for at in range(0, c, per_chunk):
+            doc, neuron, value = documents[at:at + per_chunk], neurons[at:at + per_chunk], values[at:at + per_chunk]
+            start, length = self.starts.index_select(0, doc), self.lengths.index_select(0, doc)
+            inside = offsets[None, :] < length[:, None]  # [c, longest]
+            flat = (start[:, None] + torch.minimum(offsets[None, :], length[:, None] - 1)) * d_ff + neuron[:, None]
+            found = self.acts.view(-1).index_select(0, flat.view(-1)).view(flat.shape) == value[:, None]
+            found &= inside
+            found_rows.append(start + found.to(torch.uint8).argmax(dim=1))  # argmax: the first
+        return torch.cat(found_rows) if len(found_rows) != 1 else found_rows[0]
 
 
 def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, codes: Tensor, context_fn: ContextFn,
@@ -291,10 +295,10 @@ def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, c
         earlier = ~(values[0] > open_side.values[0] if largest else values[0] < open_side.values[0])
         values[0] = torch.where(earlier, open_side.values[0], values[0])
 
-    def rows_and_codes(doc: Tensor, neuron: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Rows [c] and codes [c] of documents doc's best for neurons neuron, and which of them the
-        open document's earlier best holds (None when none continues)."""
-        rows = documents.first_row(doc, neuron, values[doc, neuron])
+    def rows_and_codes(doc: Tensor, neuron: Tensor, longest: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Rows [c] and codes [c] of documents doc's best (at most ``longest`` rows each) for neurons
+        neuron, and which of them the open document's earlier best holds (None when none continues)."""
+        rows = documents.first_row(doc, neuron, values[doc, neuron], longest)
         entry_codes = codes.index_select(0, rows)
         if earlier is None:
             return rows, entry_codes, None
@@ -321,7 +325,7 @@ def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, c
         if pairs == 0:
             return
         neuron, doc = _nonzero_static(maybe.T, pairs).unbind(1)  # neuron-major
-        rows, entry_codes, from_earlier = rows_and_codes(doc, neuron)
+        rows, entry_codes, from_earlier = rows_and_codes(doc, neuron, documents.documents.longest_complete)
         enter = beats[doc, neuron] | (entry_codes < side.tie_codes().index_select(0, neuron))  # tie: lower code
         per_neuron = torch.zeros(d_ff, dtype=torch.int64, device=values.device).index_add_(0, neuron, enter.long())
         count, width, depth = yield _fold_sizes(per_neuron)
@@ -336,7 +340,8 @@ def _fold_documents(side: Side, open_side: Side | None, documents: _Documents, c
              depth)
 
     neurons = torch.arange(d_ff, device=values.device)
-    rows, open_codes, from_earlier = rows_and_codes(torch.full_like(neurons, n - 1), neurons)
+    rows, open_codes, from_earlier = rows_and_codes(torch.full_like(neurons, n - 1), neurons,
+                                                    documents.documents.last_length)
     last = Side(values[-1:], open_codes[None], context_of(rows, neurons, from_earlier)[None], largest)
     return last, (complete_documents() if n > 1 else None)
 
