@@ -4,7 +4,8 @@ Random-init models only (nothing to download): GPT-2 small's and medium's archit
 real GPT-2 tokenizer, and a small gated Llama (SwiGLU, RMSNorm gains away from 1). The steps, in order:
 
 0. models: the random-init models are built (or found in kvmem's cache);
-1. throughput: GPT-2 small, float32, ``--tokens`` (10M) tokens: the bare HF forward (with logits)
+1. throughput: GPT-2 small, float32, ``--tokens`` (6M) tokens, 256 windows of 256 tokens a forward:
+   the bare HF forward (with logits)
    over the scan's own batches against the whole ``kvmem.scan`` (target: whole / bare tokens/s >= 0.8),
    with the peak GPU memory of each (first, so that no budget skips it);
 2. agreement: each model scanned on CUDA against the same scan on the CPU, float32, window 128, batch
@@ -45,6 +46,8 @@ import contextlib
 import io
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,6 +120,13 @@ def write_corpus(path: Path, tokens: int) -> Path:
     return path
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (user + system): the work a step did,
+    whatever else shared the machine."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 class Check:
     """Runs the steps, writing each row as soon as it is measured."""
 
@@ -137,6 +147,7 @@ class Check:
 
     def step(self, name: str, function, *args) -> None:
         """Run ``function`` (returns or yields its rows); each row is on disk as soon as it is given."""
+        self.cpu_began = cpu_seconds()
         began = time.perf_counter()
         if began - self.started > self.budget_s:
             self.write(name, dict(result="SKIP", details=f"time budget of {self.budget_s:.0f} s spent", peak_gib="-"),
@@ -146,14 +157,15 @@ class Check:
         try:
             for row in function(*args):
                 self.write(name, row, began)
-                began = time.perf_counter()
+                began, self.cpu_began = time.perf_counter(), cpu_seconds()
         except Exception as error:  # recorded; the next step runs
             last = traceback.format_exception_only(type(error), error)[-1].strip()
             self.write(name, dict(result="FAIL", details=f"{last[:400]}", peak_gib=self.peak()), began)
             traceback.print_exc()
 
     def write(self, name: str, row: dict, began: float) -> None:
-        row = {"step": name, **row, "seconds": round(time.perf_counter() - began, 1)}
+        row = {"step": name, **row, "seconds": round(time.perf_counter() - began, 1),
+               "cpu_seconds": round(cpu_seconds() - self.cpu_began, 1)}
         self.rows.append(row)
         with open(self.out / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -166,10 +178,11 @@ class Check:
 
     @staticmethod
     def markdown_row(row: dict) -> str:
-        return f"| {row['step']} | {row['result']} | {row['details']} | {row['peak_gib']} | {row['seconds']} |"
+        return (f"| {row['step']} | {row['result']} | {row['details']} | {row['peak_gib']} | {row['seconds']} | "
+                f"{row.get('cpu_seconds', '-')} |")
 
     def header(self) -> str:
-        return "| step | result | details | peak GPU GiB | s |\n|---|---|---|---|---|"
+        return "| step | result | details | peak GPU GiB | s | CPU s |\n|---|---|---|---|---|---|"
 
 
 class Steps:
@@ -255,7 +268,7 @@ class Steps:
                 "--device", self.device, "--max-tokens", str(self.args.cli_tokens), "--window", str(self.window),
                 "--batch-size", "16", "--top-k", "8", "--top-n", "5", "--block-documents",
                 "16" if self.full else "1", "--quiet",
-                "--checkpoint-every", str(max(1, self.args.cli_tokens // 10)), "--out", str(out), *extra]
+                "--checkpoint-every", str(max(1, self.args.cli_tokens // 4)), "--out", str(out), *extra]
 
     def in_process(self, arguments: list[str]) -> None:
         """``kvmem scan`` in this process (``kvmem.cli.main``): a second run that shares no process with the first."""
@@ -362,7 +375,8 @@ class Steps:
 
 
 # --tokens, --agree-tokens, --cli-tokens, --throughput-batch per run: the GPU's, the CPU rehearsal's, the dry run's
-SIZES = {"gpu": dict(tokens=10_000_000, agree_tokens=4_000, cli_tokens=300_000, throughput_batch=64),
+# (the rehearsal's throughput batch is the GPU's quarter: 256 windows of 256 tokens would hold 13 GB of logits)
+SIZES = {"gpu": dict(tokens=6_000_000, agree_tokens=4_000, cli_tokens=100_000, throughput_batch=256),
          "rehearsal": dict(tokens=16_384, agree_tokens=1_000, cli_tokens=10_000, throughput_batch=64),
          "dry": dict(tokens=1_000, agree_tokens=600, cli_tokens=2_000, throughput_batch=8)}
 
@@ -382,11 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the CPU stands in for the GPU (the quick dry run, or with --scale full the rehearsal)")
     parser.add_argument("--out", default=None, help="folder for rows.jsonl and table.md (default: a new temporary folder)")
-    parser.add_argument("--tokens", type=int, default=None, help="throughput tokens (GPU 10,000,000)")
+    parser.add_argument("--tokens", type=int, default=None, help="throughput tokens (GPU 6,000,000)")
     parser.add_argument("--agree-tokens", type=int, default=None, help="tokens of each agreement scan (GPU 4,000)")
     parser.add_argument("--cli-tokens", type=int, default=None,
-                        help="tokens of the resume / identical / torchrun scans (GPU 300,000)")
-    parser.add_argument("--throughput-batch", type=int, default=None, help="windows per forward (GPU 64)")
+                        help="tokens of the resume / identical / torchrun scans (GPU 100,000)")
+    parser.add_argument("--throughput-batch", type=int, default=None, help="windows per forward (GPU 256)")
     parser.add_argument("--scale", choices=["full", "tiny"], default=None,
                         help="full: GPT-2 small and medium shapes (default on cuda; on cpu the rehearsal); "
                              "tiny: a small stand-in (the default dry run on cpu)")
@@ -429,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         if wanted is None or name in wanted:
             check.step(name, function)
     print(f"total {time.perf_counter() - check.started:.0f} s", flush=True)
+    if args.out:  # the models, corpora and atlases the steps wrote (GBs at full scale); the rows are in --out
+        shutil.rmtree(root, ignore_errors=True)
     return 1 if any(r["result"] in ("FAIL",) for r in check.rows) else 0
 
 

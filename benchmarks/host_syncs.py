@@ -99,18 +99,8 @@ class Counting(TorchDispatchMode):
         return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-random")
-    parser.add_argument("--corpus", default="pydoc")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--backend", choices=list(BACKENDS), default="torch")
-    parser.add_argument("--per-document", action="store_true")
-    parser.add_argument("--batch-size", default="8")
-    parser.add_argument("--device", default=None)
-    args = parser.parse_args()
-
-    model = kvmem.load_model(args.model, device=args.device)
+def count(model, corpus: str, *, tokens: int, backend: str, per_document: bool, batch_size="8") -> dict:
+    """Stream ``tokens`` of ``corpus`` through ``model``, counting per part (see the module docstring)."""
     cuda = model.device.startswith("cuda")
     mode = Counting()
     cuda_syncs: Counter = Counter()
@@ -170,8 +160,8 @@ def main() -> None:
     torch.Tensor.to = counted_to
     try:
         with mode:
-            state = runner.stream(model, args.corpus, max_tokens=args.tokens, backend=args.backend,
-                                  per_document=args.per_document, batch_size=args.batch_size)
+            state = runner.stream(model, corpus, max_tokens=tokens, backend=backend, per_document=per_document,
+                                  batch_size=batch_size)
     finally:
         for (owner, name), method in saved.items():
             setattr(owner, name, method)
@@ -184,8 +174,8 @@ def main() -> None:
         return {k: round(v / batches, 2) for k, v in sorted(counter.items())}
 
     steps, setup = sum(mode.syncs["step"].values()), sum(mode.syncs["setup"].values())
-    result = {"machine": machine(), "model": args.model, "device": model.device, "backend": args.backend,
-              "per_document": args.per_document, "tokens": state.tokens, "batches": batches, "layers": layers,
+    result = {"machine": machine(), "device": model.device, "backend": backend, "per_document": per_document,
+              "tokens": state.tokens, "batches": batches, "layers": layers,
               "step_syncs_per_batch": round(steps / batches, 2),
               "step_syncs_per_layer_per_batch": round(steps / batches / layers, 2),
               "step_syncs_by_operator_per_batch": per_batch(mode.syncs["step"]),
@@ -195,7 +185,23 @@ def main() -> None:
               "setup_operators_per_batch": round(mode.operators["setup"] / batches, 1)}
     if cuda:
         result["cuda_sync_debug_per_batch"] = {part: round(n / batches, 2) for part, n in cuda_syncs.items()}
-    print(json.dumps(result, indent=1))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-random")
+    parser.add_argument("--corpus", default="pydoc")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--backend", choices=list(BACKENDS), default="torch")
+    parser.add_argument("--per-document", action="store_true")
+    parser.add_argument("--batch-size", default="8")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+    model = kvmem.load_model(args.model, device=args.device)
+    result = count(model, args.corpus, tokens=args.tokens, backend=args.backend, per_document=args.per_document,
+                   batch_size=args.batch_size)
+    print(json.dumps({"model": args.model, **result}, indent=1))
 
 
 if __name__ == "__main__":
