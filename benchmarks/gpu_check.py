@@ -285,8 +285,14 @@ class Steps:
             env["KVMEM_KERNELS"] = "torch"  # the GPU's code path
         return env
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a `kvmem scan` process may take: 300 on the GPU (the command's limit), an hour on a CPU."""
+        return 3600 if self.dry else 300
+
     def run(self, command: list[str], **kw) -> subprocess.CompletedProcess:
-        done = subprocess.run(command, env=kw.pop("env", self.env()), capture_output=True, text=True, timeout=300, **kw)
+        done = subprocess.run(command, env=kw.pop("env", self.env()), capture_output=True, text=True,
+                              timeout=self.timeout, **kw)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command[:4])} ... exited {done.returncode}: {done.stderr.strip()[-300:]}")
         return done
@@ -319,7 +325,7 @@ class Steps:
         checkpoint = out.with_name(out.name + ".checkpoint") / "state.json"
         command = [sys.executable, *self.cli(out)]
         process = subprocess.Popen(command, env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self.timeout
         while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         with contextlib.suppress(ProcessLookupError):  # it may have ended (a failure, or too few tokens)
@@ -375,9 +381,10 @@ class Steps:
 
 
 # --tokens, --agree-tokens, --cli-tokens, --throughput-batch per run: the GPU's, the CPU rehearsal's, the dry run's
-# (the rehearsal's throughput batch is the GPU's quarter: 256 windows of 256 tokens would hold 13 GB of logits)
+# (the rehearsal's throughput: two batches of 16 windows, a dense first and a sparse second; 256 windows of
+# 256 tokens would hold 13 GB of logits on the CPU)
 SIZES = {"gpu": dict(tokens=6_000_000, agree_tokens=4_000, cli_tokens=100_000, throughput_batch=256),
-         "rehearsal": dict(tokens=16_384, agree_tokens=1_000, cli_tokens=10_000, throughput_batch=64),
+         "rehearsal": dict(tokens=8_192, agree_tokens=1_000, cli_tokens=10_000, throughput_batch=16),
          "dry": dict(tokens=1_000, agree_tokens=600, cli_tokens=2_000, throughput_batch=8)}
 
 
@@ -404,11 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", choices=["full", "tiny"], default=None,
                         help="full: GPT-2 small and medium shapes (default on cuda; on cpu the rehearsal); "
                              "tiny: a small stand-in (the default dry run on cpu)")
-    parser.add_argument("--budget-s", type=float, default=420,
-                        help="steps starting after this many seconds are skipped (a device command may run 600 s)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="steps starting after this many seconds are skipped (default on cuda 420: a device "
+                             "command may run 600 s; none on cpu)")
     parser.add_argument("--only", default=None, help="comma-separated steps to run (default: all; models always)")
     args = parser.parse_args(argv)
     args.scale = args.scale or ("tiny" if args.device == "cpu" else "full")
+    if args.budget_s is None:
+        args.budget_s = 420 if args.device == "cuda" else float("inf")
     sizes = SIZES["gpu" if args.device == "cuda" else "rehearsal" if args.scale == "full" else "dry"]
     for name, value in sizes.items():
         if getattr(args, name) is None:
