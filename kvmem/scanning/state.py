@@ -49,8 +49,9 @@ class Side:
     [k, F] int64 (row 0 is all NaN), so reordering entries moves one integer each, not C floats.
     A backend that inserts entries moves values, codes and slots together, and appends the new
     entries' context with :meth:`add_context`. The pool is compacted to the live rows when it fills.
-    ``full`` is a host-side note that every neuron holds k entries (once true it stays true), so a
-    backend asks the device at most until then.
+    ``full`` is a host-side note that every neuron holds k entries (once true it stays true), set by
+    the caller from what it folded in (k finite coefficients per neuron fill a side); a backend may
+    take a faster search once it is set, and finds the same entries either way.
     """
 
     def __init__(self, values: Tensor, codes: Tensor, context: Tensor | None, largest: bool, *, width: int = 0):
