@@ -54,7 +54,7 @@ class NeuronRecord:
     def __repr__(self) -> str:
         s = self.stats
         top = self.triggers[self.triggers.kind == "top"].head(5)
-        lines = [f"Neuron L{self.layer}/{self.neuron} of {self.provenance.get('model')} "
+        lines = [f"Neuron {self.layer}:{self.neuron} of {self.provenance.get('model')} "
                  f"(corpus {self.provenance.get('corpus')}, {s['count']:,} tokens)",
                  f"  mean {s['mean']:.4g}  std {s['std']:.4g}  min {s['min']:.4g}  max {s['max']:.4g}  "
                  f"active {s['frac_positive']:.1%}  |v| {s['value_norm']:.4g}",

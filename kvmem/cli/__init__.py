@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"kvmem: error: {os_error_line(error, out=getattr(args, 'out', None))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kvmem: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        notes = "".join(f"; {note}" for note in getattr(interrupt, "__notes__", ()))
+        print(f"kvmem: interrupted{notes}", file=sys.stderr)
         return 130
 
 
