@@ -3,7 +3,9 @@
     python docs/screenshots.py --atlas ATLAS [--neuron 22:443] [--prompt "..."]
 
 ``ATLAS``: an atlas of smollm2-135m (e.g. ``kvmem scan --model smollm2-135m --corpus pydoc --max-tokens 100000``);
-its model loads as the explorer loads it. Writes ``docs/figures/explorer-neuron.png`` and
+its model loads as the explorer loads it. The default neuron, L22/443 of that atlas, fires on " from" (as in
+"evaluated from left to right"); set to 40, it turns the default prompt's 12-token continuation from " right, so the
+first operand is evaluated first." into " right to ensure one operation to the end of the list to". Writes ``docs/figures/explorer-neuron.png`` and
 ``docs/figures/explorer-trace.png`` (the top of each page, 1280 pixels wide). Needs Debian's Chromium.
 """
 
@@ -23,7 +25,8 @@ CHROMIUM = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--atlas", required=True)
-    parser.add_argument("--neuron", default="22:443", help="LAYER:NEURON of the neuron page (and the memory switched off)")
+    parser.add_argument("--neuron", default="22:443", help="LAYER:NEURON of the neuron page")
+    parser.add_argument("--edit", default="22:443=40", help="the trace's edit, LAYER:NEURON=VALUE (mode set)")
     parser.add_argument("--prompt", default="The operands are evaluated from left to")
     parser.add_argument("--height", type=int, default=1300, help="pixels of each page kept")
     args = parser.parse_args()
@@ -41,7 +44,7 @@ def main() -> None:
             page.goto(f"{running.url}neuron/{layer}/{neuron}")
             page.screenshot(path=FIGURES / "explorer-neuron.png")
             query = urlencode({"prompt": args.prompt, "top": 3, "generate": 1, "max_new_tokens": 12,
-                               "off": f"{layer}:{neuron}"})
+                               "edit": args.edit, "mode": "set"})
             page.goto(f"{running.url}trace?{query}")
             page.screenshot(path=FIGURES / "explorer-trace.png")
             browser.close()

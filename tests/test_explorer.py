@@ -355,6 +355,23 @@ def test_trace_and_edited_generation_match_hugging_face(explorer_atlas, explorer
     _, off = explorer_server.json(f"/api/trace?prompt={_quote(prompt)}&top=4&max_new_tokens=8&off={layer}:{neuron}")
     assert off["generation"]["with"] == greedy((layer, neuron, 0.0))
 
+    def hook(module, args):  # switched off: m_neuron := 0 at every position
+        (m,) = args
+        m = m.clone()
+        m[..., neuron] = 0.0
+        return (m,)
+
+    handle = hf.model.layers[layer].mlp.down_proj.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            probs = hf(torch.tensor([ids])).logits[0, -1].softmax(-1)
+    finally:
+        handle.remove()
+    shown = off["next_tokens_edited"]
+    assert [t["token_id"] for t in shown] == probs.topk(10).indices.tolist()
+    assert [t["prob"] for t in shown] == pytest.approx(probs.topk(10).values.tolist(), rel=1e-4)
+    assert [t["prob"] for t in shown] != pytest.approx([t["prob"] for t in off["next_tokens"]], rel=1e-6)
+
 
 # ---- the shading rule and the notebook record ----
 def test_robust_scale_is_the_median_and_a_huge_value_does_not_flatten_the_rest():
