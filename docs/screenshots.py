@@ -1,12 +1,12 @@
 """The README's screenshots of the explorer: a neuron page and a trace with an edit, taken with Playwright.
 
-    python docs/screenshots.py --atlas ATLAS [--neuron 22:443] [--prompt "..."]
+    python docs/screenshots.py --atlas ATLAS [--neuron 23:669] [--prompt "..."] [--edit 23:669=40]
 
 ``ATLAS``: an atlas of smollm2-135m (e.g. ``kvmem scan --model smollm2-135m --corpus pydoc --max-tokens 100000``);
-its model loads as the explorer loads it. The default neuron, L22/443 of that atlas, fires on " from" (as in
-"evaluated from left to right"); set to 40, it turns the default prompt's 12-token continuation from " right, so the
-first operand is evaluated first." into " right to ensure one operation to the end of the list to". Writes ``docs/figures/explorer-neuron.png`` and
-``docs/figures/explorer-trace.png`` (the top of each page, 1280 pixels wide). Needs Debian's Chromium.
+its model loads as the explorer loads it. The default neuron, 23:669, fires on "do" and "does" before "not" and its
+value promotes " not"; set to 40 at the last token, it turns the default prompt's continuation into a negation.
+Writes ``docs/figures/explorer-neuron.png`` and ``docs/figures/explorer-trace.png`` (the top of each page, 1280
+pixels wide). Needs Debian's Chromium.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ CHROMIUM = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--atlas", required=True)
-    parser.add_argument("--neuron", default="22:443", help="LAYER:NEURON of the neuron page")
-    parser.add_argument("--edit", default="22:443=40", help="the trace's edit, LAYER:NEURON=VALUE (mode set)")
-    parser.add_argument("--prompt", default="The operands are evaluated from left to")
+    parser.add_argument("--neuron", default="23:669", help="LAYER:NEURON of the neuron page")
+    parser.add_argument("--edit", default="23:669=40", help="the trace's edit, LAYER:NEURON=VALUE (mode set)")
+    parser.add_argument("--prompt", default="It is")
     parser.add_argument("--height", type=int, default=1300, help="pixels of each page kept")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright

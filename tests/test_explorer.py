@@ -224,7 +224,7 @@ def test_requests_never_write_to_the_atlas(explorer_atlas, explorer_server):
 
 def test_report_and_export_links(explorer_atlas, explorer_server):
     code, headers, body = explorer_server.get("/neuron/1/2/report")
-    assert code == 200 and b"Neuron L1/2" in body and "style-src 'unsafe-inline'" in headers["content-security-policy"]
+    assert code == 200 and b"Neuron 1:2" in body and "style-src 'unsafe-inline'" in headers["content-security-policy"]
     assert "script" not in headers["content-security-policy"]
     _, record = explorer_server.json("/neuron/1/2/export")
     assert record["dataclass_name"] == "NeuronRecord" and record["neuron_id"]["layer_index"] == 1

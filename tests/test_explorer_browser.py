@@ -95,7 +95,7 @@ def test_neuron_page_shows_what_the_atlas_holds(page, explorer_server, explorer_
     layer, neuron = _hostile_neurons(explorer_atlas)[0]
     atlas = kvmem.open(explorer_atlas)
     page.goto(f"{explorer_server.url}neuron/{layer}/{neuron}")
-    assert page.inner_text("#neuron-title") == f"Neuron L{layer}/{neuron}"
+    assert page.inner_text("#neuron-title") == f"Neuron {layer}:{neuron}"
     stats = atlas.neurons.set_index(["layer", "neuron"]).loc[(layer, neuron)]
     for key in ("mean", "std", "min", "max", "key_norm", "value_norm"):
         assert page.inner_text(f'#stats td[data-key="{key}"]') == format(float(stats[key]), ".4g"), key

@@ -34,9 +34,9 @@ class Edits:
         return bool(self.off or self.edits)
 
     def describe(self) -> str:
-        parts = [f"L{layer}/{neuron} off" for layer, neuron in self.off]
+        parts = [f"{layer}:{neuron} off" for layer, neuron in self.off]
         verb = {"set": "=", "scale": "×", "add": "+"}[self.mode]
-        parts += [f"L{layer}/{neuron} {verb} {value:g}" for (layer, neuron), value in self.edits]
+        parts += [f"{layer}:{neuron} {verb} {value:g}" for (layer, neuron), value in self.edits]
         return ", ".join(parts) or "none"
 
     def query(self) -> list[tuple[str, str]]:
@@ -92,5 +92,5 @@ def parse_edits(off: list[str], edits: list[str], mode: str | None, *, layers: l
         changed[neuron_of(match.group(1), match.group(2), text)] = value
     both = sorted(set(switched) & set(changed))
     if both:
-        raise KvmemError(f"L{both[0][0]}/{both[0][1]} is both switched off and edited; keep one")
+        raise KvmemError(f"{both[0][0]}:{both[0][1]} is both switched off and edited; keep one")
     return Edits(off=tuple(dict.fromkeys(switched)), edits=tuple(changed.items()), mode=mode)
