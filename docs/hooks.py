@@ -62,8 +62,15 @@ class _DoctestFences:
         from markdown.extensions import Extension
         from markdown.preprocessors import Preprocessor
 
+        import re
+
+        role = re.compile(r":(?:py:)?(?:func|class|meth|data|mod|attr|obj|exc):`~?([^`]+)`")
+        field = re.compile(r"^(\s*)([A-Za-z_]\w*(?: / [A-Za-z_]\w*)*):( +)(\S.*)$")  # "window:     tokens per window"
+
         class Fence(Preprocessor):
             def run(self, lines: list[str]) -> list[str]:
+                lines = [role.sub(r"`\1`", line) for line in lines]  # reST roles in docstrings -> code
+                lines = self.fields(lines)
                 out: list[str] = []
                 inside = False
                 fenced = False
@@ -81,6 +88,33 @@ class _DoctestFences:
                 if inside:
                     out.append("```")
                 return out
+
+            @staticmethod
+            def fields(lines: list[str]) -> list[str]:
+                """An aligned field list (``name:   text`` lines, continuations indented under the text) becomes a
+                bullet list, so a dataclass's documented fields do not run together into one paragraph. A block
+                is two or more such lines in a row at one indentation."""
+                matches = [field.match(line) for line in lines]
+                out: list[str] = []
+                column = None
+                for i, (line, found) in enumerate(zip(lines, matches)):
+                    neighbour = any(m is not None and m.group(1) == (found.group(1) if found else None)
+                                    for m in (matches[i - 1] if i else None, matches[i + 1] if i + 1 < len(lines) else None)
+                                    if m is not None)
+                    if found and (neighbour or column is not None) and not line.lstrip().startswith(("```", ">>>")):
+                        if column is None and out and out[-1].strip():
+                            out.append("")
+                        column = len(found.group(1))  # the field name's indentation; continuations sit deeper
+                        out.append(f"- `{found.group(2)}`: {found.group(4)}")
+                    elif column is not None and line.strip() and len(line) - len(line.lstrip()) > column:
+                        out.append("  " + line.strip())
+                    else:
+                        if column is not None:
+                            out.append("")
+                        column = None
+                        out.append(line)
+                return out
+
 
         class DoctestExtension(Extension):
             def extendMarkdown(self, md):  # noqa: N802 - Markdown's API
