@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvmem.architectures import parse_hook_name
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
@@ -157,7 +158,6 @@ def capture(model: Model, input_ids: Tensor, hook_names: Sequence[str], *,
 
 def _located(model: Model, name: str):
     """(module of ``model.hf_model``, ``"input"``/``"output"``, half) computing hook ``name``."""
-    from kvmem.architectures import parse_hook_name
 
     layer, site = parse_hook_name(name)
     path, kind, half = model.site_location(layer, site)

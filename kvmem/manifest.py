@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmem.errors import KvmemError
+from kvmem.plan import TokenPlan
 from kvmem.schema import FORMAT_VERSION, READABLE_VERSIONS
 
 if TYPE_CHECKING:
-    from kvmem.plan import TokenPlan
     from kvmem.scanning.config import ScanConfig
 
 __all__ = ["Manifest", "FORMAT_VERSION", "READABLE_VERSIONS"]
@@ -40,7 +40,8 @@ class Manifest:
     timing:         seconds per phase, total, batches, world size, this atlas's shard, merge sources
     engine:         the streaming ``backend`` (``numba``: compiled CPU kernels, ``torch``: torch ops), and the
                     ``device`` and ``dtype`` the model ran in; empty for atlases written before it was recorded
-    environment:    torch / transformers / transformer-lens versions, device, dtype
+    environment:    torch / transformers / transformer-lens versions, device, dtype, and ``variables``: kvmem's
+                    environment variables set during the scan (:data:`kvmem.environment.VARIABLES`)
     """
 
     format_version: int
@@ -62,8 +63,6 @@ class Manifest:
     # ---- typed views ----
     @property
     def plan(self) -> TokenPlan:
-        from kvmem.plan import TokenPlan
-
         return TokenPlan.from_dict(self.tokenization)
 
     @property

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from kvmem.anatomy import model_anatomy
 from kvmem.architectures import ACTIVATIONS, ArchitectureSpec, hook_name
+from kvmem.builtin import SCAN_BOS
 from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
 from kvmem.unbridged import separate_tree, unbridged
@@ -413,7 +414,6 @@ class Model:
     def bos_token_id(self) -> int | None:
         """The token a scanned window starts with: the tokenizer's BOS, unless :data:`kvmem.builtin.SCAN_BOS`
         names a better one for this built-in model."""
-        from kvmem.builtin import SCAN_BOS
 
         if self.name in SCAN_BOS:
             return int(self.tokenizer.convert_tokens_to_ids(SCAN_BOS[self.name]))

@@ -15,6 +15,8 @@ import pandas as pd
 
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
+from kvmem.report.text import mpl_text
+from kvmem.taxonomy.summary import layer_summary
 
 __all__ = [
     "NEGATIVE",
@@ -57,8 +59,6 @@ def _require(frame, columns: list[str], what: str) -> None:
 
 
 def _label(token) -> str:
-    from kvmem.report.text import mpl_text
-
     return f"‘{mpl_text(token, limit=24)}’"
 
 
@@ -250,7 +250,6 @@ def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str
     reference value drawn as a dashed line (a paper's number). Call again with the same ``ax`` to overlay
     another column.
     """
-    from kvmem.taxonomy.summary import layer_summary
 
     _require(frame, ["layer"], "plot_taxonomy")
     summary = layer_summary(frame, column, statistic=statistic)

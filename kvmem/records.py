@@ -28,6 +28,7 @@ from itertools import takewhile
 import numpy as np
 
 from kvmem.errors import KvmemError
+from kvmem.plan import StreamPosition, iterate_batches, window_key
 from kvmem.scanned import check_model, scanned_corpus
 
 __all__ = ["ActivationRecord", "ContextRequest", "activation_records", "context_coefficients"]
@@ -119,7 +120,6 @@ def context_coefficients(atlas, model, requests: Sequence[ContextRequest], *, co
     """
     import torch
 
-    from kvmem.plan import StreamPosition, iterate_batches, window_key
     from kvmem.scanning.capture import capture_coefficients
 
     if not requests:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from kvmem.corpus import open_corpus
 from kvmem.errors import KvmemError
+from kvmem.loading import load_model
 
 if TYPE_CHECKING:
     from kvmem.corpus import Corpus
@@ -72,7 +74,6 @@ def check_model(source, model: Model, *, on_mismatch: str = "raise", stacklevel:
 def load_scanned_model(source, *, device: Any = None, on_mismatch: str = "raise") -> Model:
     """The scanned model, loaded as the manifest names it: name (a built-in name, local directory or hub id),
     dtype and hub revision; its fingerprint is checked (:func:`check_model` with ``on_mismatch``)."""
-    from kvmem.loading import load_model
 
     scanned = _manifest(source).model
     model = load_model(scanned["name"], device=device, dtype=scanned.get("dtype"), revision=scanned.get("revision"))
@@ -84,7 +85,6 @@ def scanned_corpus(source, corpus: Any = None) -> Corpus:
     """The scanned corpus as a :class:`~kvmem.corpus.Corpus`: reopened from the manifest's spec, or ``corpus``
     (for a corpus the spec cannot reopen: an in-memory list or dataset), opened with the manifest's unit and
     text field. The atlas's doc indices refer to this stream, so it must be the very corpus that was scanned."""
-    from kvmem.corpus import open_corpus
 
     scanned = _manifest(source).corpus
     unit, text_field = scanned.get("unit", "document"), scanned.get("text_field", "text")

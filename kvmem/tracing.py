@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import kvmem
 from kvmem.capture import capture
 from kvmem.conventions import DEFAULT_CONVENTION, convention_vectors, get_convention
 from kvmem.errors import KvmemError
@@ -175,8 +176,6 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
     """
     import pandas as pd
     import torch
-
-    import kvmem
 
     formula = get_convention(convention).formula
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):

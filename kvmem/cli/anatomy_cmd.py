@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.cli.output import print_table
+from kvmem.loading import load_model
+
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("model", help="built-in name (smollm2-135m, gpt2-random), local HF directory or hub id")
@@ -11,9 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmem.cli.output import print_table
-    from kvmem.loading import load_model
-
     model = load_model(args.model, revision=args.revision, device="cpu")
     table = model.anatomy()
     print(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.autointerp.explainers import BackendOptions
 from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.devices import device_help
 
@@ -49,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.autointerp.api import explain, score
-    from kvmem.autointerp.explainers import BackendOptions
 
     layers, neurons = parse_layers(args.layers), parse_neurons(args.neurons)
     options = BackendOptions(model_name=args.model_name, api_key_env=args.api_key_env, timeout=args.timeout,

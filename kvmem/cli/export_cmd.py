@@ -9,11 +9,11 @@ import argparse
 
 from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.devices import device_help
+from kvmem.export import FORMATS, export_atlas
+from kvmem.loading import load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    from kvmem.export import FORMATS
-
     formats = "; ".join(f"{name}: {fmt.description}" for name, fmt in FORMATS.items())
     add_atlas_option(parser)
     parser.add_argument("--format", required=True, choices=list(FORMATS), help=formats)
@@ -34,14 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.atlas import open_atlas
-    from kvmem.export import export_atlas
 
     layers, neurons = parse_layers(args.layers), parse_neurons(args.neurons)
     atlas = open_atlas(args.atlas)
     model = None
     if args.model is not None:
-        from kvmem.loading import load_model
-
         model = load_model(args.model, device=args.device, dtype=atlas.manifest.model.get("dtype"))
     out = export_atlas(atlas, format=args.format, out=args.out, layers=layers, neurons=neurons,
                        model=model, corpus=args.corpus, overwrite=args.overwrite, progress=not args.no_progress,

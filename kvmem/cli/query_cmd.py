@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+import kvmem
 from kvmem.cli.options import add_atlas_option, add_neurons_option, neuron_id, parse_neurons
+from kvmem.cli.output import print_table
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 
 _CONVENTION_HELP = f"value projection convention (default {DEFAULT_CONVENTION} if the atlas has it)"
@@ -36,9 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import kvmem
-    from kvmem.cli.output import print_table
-
     neurons = parse_neurons(args.neurons) if args.command == "neuron" else None  # checked before the atlas opens
     atlas = kvmem.open(args.atlas)
     if args.command == "info":
@@ -73,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_neuron(atlas, layer: int, neuron: int, args: argparse.Namespace) -> None:
-    from kvmem.cli.output import print_table
-
     record = atlas.neuron(layer, neuron, convention=args.convention)
     print(record)
     convention = record.provenance["convention"]

@@ -10,12 +10,12 @@ import argparse
 
 from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.errors import KvmemError
+from kvmem.report import export_many, select_neurons
+from kvmem.report.export import RANKINGS
+from kvmem.report.formats import FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    from kvmem.report.export import RANKINGS
-    from kvmem.report.formats import FORMATS
-
     add_atlas_option(parser)
     add_neurons_option(parser, "report these neurons (or use --layers with --top)")
     add_layers_option(parser, "with --top: report the best neurons of each of these layers")
@@ -38,7 +38,6 @@ def _integer(text: str) -> int:
 
 def pairs_from_args(args: argparse.Namespace, atlas) -> list[tuple[int, int]]:
     """(layer, neuron) pairs from ``--neurons`` or from ``--layers/--top/--by``."""
-    from kvmem.report import select_neurons
 
     neurons, layers = parse_neurons(args.neurons), parse_layers(args.layers)
     ranked = layers is not None or args.top is not None
@@ -57,7 +56,6 @@ def pairs_from_args(args: argparse.Namespace, atlas) -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.atlas import open_atlas
-    from kvmem.report import export_many
 
     atlas = open_atlas(args.atlas)
     pairs = pairs_from_args(args, atlas)

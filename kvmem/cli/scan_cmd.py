@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+import kvmem
 from kvmem.cli.options import add_layers_option, parse_layers
 from kvmem.conventions import CONVENTIONS
 from kvmem.devices import device_help
 from kvmem.plan import BATCH_SIZE_HELP
+from kvmem.scanning import distributed
+from kvmem.scanning.config import ScanConfig, parse_shard
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -65,9 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import kvmem
-    from kvmem.scanning.config import parse_shard
-
     if args.command == "merge":
         atlas = kvmem.merge(args.atlases, out=args.out, overwrite=args.overwrite, progress=not args.quiet)
         print(atlas)
@@ -81,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,
         sort_by_length=not args.no_length_sort, taxonomy_sums=not args.no_taxonomy_sums)
-    from kvmem.scanning import distributed
-    from kvmem.scanning.config import ScanConfig
 
     ScanConfig(**settings)  # validate before the model loads
     distributed.timeout_seconds(args.dist_timeout)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 
 from kvmem.devices import device_help
+from kvmem.errors import KvmemError
+from kvmem.loading import load_model
+from kvmem.scanned import load_scanned_model
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -22,14 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvmem.errors import KvmemError
     from kvmem.taxonomy.table import FILE, build_taxonomy, write_taxonomy
 
     if args.block < 1:
         raise KvmemError(f"--block must be at least 1, got {args.block}")
     if args.atlas is not None:
         from kvmem.atlas import open_atlas
-        from kvmem.scanned import load_scanned_model
 
         atlas = open_atlas(args.atlas)
         if args.convention is not None and args.convention not in atlas.conventions:
@@ -41,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
             raise KvmemError("--model needs --out FILE.parquet (where to write the weights-only taxonomy)")
         if args.convention is not None:
             raise KvmemError("--convention applies to --atlas only (the self-suppression rank reads the atlas's values)")
-        from kvmem.loading import load_model
 
         atlas = None
         model = load_model(args.model, device=args.device, revision=args.revision)

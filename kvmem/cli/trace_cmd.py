@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import re
 
+from kvmem.cli.output import print_table
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.devices import device_help
 from kvmem.errors import KvmemError
+from kvmem.intervention import greedy_continuation, intervene
+from kvmem.loading import load_model
+from kvmem.tracing import trace
 
 _SET = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*=\s*([^\s]+)\s*$")
 
@@ -57,10 +61,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
-    from kvmem.cli.output import print_table
-    from kvmem.loading import load_model
-    from kvmem.tracing import trace
-
     model = load_model(args.model, device=args.device)
     result = trace(model, args.text, position=args.position, top=args.top, convention=args.convention,
                    prepend_bos=args.prepend_bos)
@@ -82,8 +82,6 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 def _run_generate(args: argparse.Namespace) -> int:
     edits = dict(parse_set(text) for text in args.edits)  # parsed before the model loads: fast errors
-    from kvmem.intervention import greedy_continuation, intervene
-    from kvmem.loading import load_model
 
     model = load_model(args.model, device=args.device)
     with intervene(model, edits, positions=args.positions, mode=args.mode):  # validates before generating

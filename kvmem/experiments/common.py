@@ -13,15 +13,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from kvmem import __version__
 from kvmem.conventions import CONVENTIONS, get_convention
+from kvmem.corpus import open_corpus
 from kvmem.errors import KvmemError
+from kvmem.loading import load_model
+from kvmem.models import Model
 from kvmem.scanned import FingerprintWarning, check_model, load_scanned_model, scanned_corpus
+from kvmem.tracing import project
 
 if TYPE_CHECKING:
 
     from kvmem.atlas import Atlas
     from kvmem.corpus import Corpus
-    from kvmem.models import Model
 
 __all__ = [
     "SIDES",
@@ -159,8 +163,6 @@ def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.Pa
 
     The fingerprint is checked (:func:`check_fingerprint`) either way.
     """
-    from kvmem.loading import load_model
-    from kvmem.models import Model
 
     atlas = as_atlas(atlas)
     if model is None:
@@ -174,7 +176,6 @@ def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.Pa
 def resolve_corpus(atlas: Atlas | None, corpus: Any, unit: str) -> Corpus:
     """The text an experiment reads: the atlas's corpus (``corpus`` overrides where the manifest's cannot
     be reopened), else ``corpus`` opened with ``unit``."""
-    from kvmem.corpus import open_corpus
 
     if atlas is not None:
         return scanned_corpus(atlas, corpus)
@@ -196,7 +197,6 @@ def finish_percent_axes(ax, *, ylabel: str, title: str):
 def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | None = None, corpus: Any = None,
                convention: str | None = None, settings: dict | None = None) -> dict:
     """Everything that identifies a result, for ``frame.attrs`` (JSON-serialisable)."""
-    from kvmem import __version__
 
     out: dict[str, Any] = {"experiment": experiment}
     if model is not None:
@@ -224,6 +224,7 @@ def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | No
 
 
 # model -> {(layer, convention): (argmax [d_ff], argmin [d_ff])}: the vocabulary pass is the slow part
+_VALUE_TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # atlas -> its values' rank-0 rows
 _TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -236,8 +237,11 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     layer and convention; otherwise computed from the model in blocks of ``block`` neurons.
     """
     if atlas is not None and layer in atlas.layers and convention in atlas.conventions:
-        frame = read_columns(atlas, "values", ["neuron", "kind", "token_id"],
-                             [("layer", "=", layer), ("convention", "=", convention), ("rank", "=", 0)])
+        if atlas not in _VALUE_TOPS:  # the values table's rank-0 rows, read once per atlas
+            _VALUE_TOPS[atlas] = read_columns(atlas, "values", ["layer", "convention", "neuron", "kind", "token_id"],
+                                              [("rank", "=", 0)])
+        frame = _VALUE_TOPS[atlas]
+        frame = frame[(frame.layer.to_numpy() == layer) & (frame.convention.to_numpy() == convention)]
         d_ff = atlas.d_ff
         out = []
         for kind in ("promote", "suppress"):
@@ -251,8 +255,6 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     cache = _TOPS.setdefault(model, {})
     if (layer, convention) not in cache:
         import torch
-
-        from kvmem.tracing import project
 
         values = model.written_values(layer)  # [d_ff, d_model] what each neuron writes into the residual
         tops, bottoms = [], []

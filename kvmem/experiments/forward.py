@@ -19,6 +19,8 @@ import numpy as np
 
 from kvmem.capture import capture
 from kvmem.errors import KvmemError
+from kvmem.plan import StreamPosition, iterate_batches
+from kvmem.scanning.config import ScanConfig
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -72,7 +74,6 @@ def scan_plan(model: Model, *, atlas: Atlas | None = None, window: int | None = 
     """The tokenization plan to read: an atlas's own (a shard atlas's shard included, so only positions
     it scanned are read), or the one :func:`kvmem.scan` uses with these settings. Settings given
     here override the atlas's."""
-    from kvmem.scanning.config import ScanConfig
     from kvmem.scanning.runner import token_plan
 
     if atlas is None:
@@ -94,7 +95,6 @@ def scan_plan(model: Model, *, atlas: Atlas | None = None, window: int | None = 
 
 def corpus_windows(model: Model, corpus: Corpus, plan: TokenPlan) -> list[WindowText]:
     """The windows a scan under ``plan`` reads (its shard's only), in corpus order (not batch order)."""
-    from kvmem.plan import StreamPosition, iterate_batches
 
     out = [w for batch in iterate_batches(corpus, model.tokenizer, plan, StreamPosition()) for w in batch.windows]
     out.sort(key=lambda w: w.key)

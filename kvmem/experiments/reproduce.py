@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from kvmem.experiments.common import as_atlas, conventions_for, model_for_atlas
+from kvmem.experiments.results import save_results
 
 if TYPE_CHECKING:
     from kvmem.atlas import Atlas
@@ -65,7 +66,6 @@ def reproduce_geva2021(atlas: Atlas | str | os.PathLike, model: Model | str | No
     Returns the index of what was written (result, rows, seconds); :func:`load_results` reads it back.
     """
     from kvmem import experiments as E
-    from kvmem.experiments.results import save_results
 
     atlas = as_atlas(atlas)
     model = model_for_atlas(atlas, model)

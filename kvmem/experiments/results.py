@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvmem.atomic import staged_directory
 from kvmem.errors import KvmemError
 
 __all__ = ["load_results", "save_results"]
@@ -24,7 +25,6 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 def save_results(frames: dict[str, pd.DataFrame], out: str | os.PathLike, *, overwrite: bool = False,
                  extra: dict | None = None) -> Path:
     """Write ``frames`` (name -> DataFrame) into the directory ``out``; ``extra`` goes into ``index.json``."""
-    from kvmem.atomic import staged_directory
 
     out = Path(out)
     if out.exists() and not overwrite:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 
+from kvmem.atomic import staged_directory
 from kvmem.errors import KvmemError
 
 __all__ = ["ExportFormat", "FORMATS", "export_atlas", "METADATA"]
@@ -56,7 +57,6 @@ def export_atlas(atlas, *, out: str | os.PathLike, format: str = "neuron-explain
     ``options``: the format's own (neuron-explainer: ``quantiles``, ``per_band``, ``levels``, ``chunk``).
     """
     from kvmem.atlas import Atlas, open_atlas
-    from kvmem.atomic import staged_directory
 
     if format not in FORMATS:
         raise KvmemError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")

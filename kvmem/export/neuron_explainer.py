@@ -36,7 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmem import __version__
 from kvmem.errors import KvmemError
+from kvmem.records import activation_records
+from kvmem.scanned import check_model, load_scanned_model
 
 __all__ = ["write", "LEVELS", "moments", "band_boundaries"]
 
@@ -53,9 +56,6 @@ def write(atlas, out: Path, neurons: list[tuple[int, int]], *, model=None, corpu
     context coefficients of ``chunk`` neurons' quantile samples are computed in one pass over the corpus.
     """
     from tqdm import tqdm
-
-    from kvmem.records import activation_records
-    from kvmem.scanned import check_model, load_scanned_model
 
     if not isinstance(per_band, int) or per_band < 1:
         raise KvmemError(f"per_band must be an integer >= 1, got {per_band!r}")
@@ -98,8 +98,6 @@ def _concat(frames):
 
 
 def _write_neuron(atlas, out: Path, layer: int, neuron: int, by_band, *, model, corpus, levels) -> None:
-    from kvmem.records import activation_records
-
     stats = atlas.neurons.iloc[atlas.layers.index(layer) * atlas.d_ff + neuron]
     top = activation_records(atlas, atlas.triggers(layer, neuron, kind="top"), model=model, corpus=corpus)
     bottom = activation_records(atlas, atlas.triggers(layer, neuron, kind="bottom"), model=model, corpus=corpus)
@@ -209,8 +207,6 @@ def band_boundaries(stats, histogram, levels) -> list[float]:
 
 
 def _metadata(atlas, neurons, *, quantiles: bool, per_band: int, levels) -> dict:
-    from kvmem import __version__
-
     m = atlas.manifest
     return {
         "format": "neuron-explainer",

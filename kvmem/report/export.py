@@ -12,6 +12,8 @@ from pathlib import Path
 from kvmem.atomic import staged_directory
 from kvmem.errors import KvmemError
 from kvmem.report.formats import FORMATS, ReportFormat, get_format
+from kvmem.report.index import index_row
+from kvmem.report.record import neuron_data
 from kvmem.report.text import write_text
 
 __all__ = ["RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
@@ -34,8 +36,6 @@ def _as_atlas(atlas):
 
 
 def _export(atlas, layer: int, neuron: int, report_format: ReportFormat, out: Path) -> tuple[Path, dict]:
-    from kvmem.report.record import neuron_data
-
     atlas.check(layer, neuron)
     record = atlas.neuron(layer, neuron)
     data = neuron_data(atlas, layer, neuron, record=record)
@@ -78,7 +78,6 @@ def export_many(atlas, neurons: Iterable[tuple[int, int]], *, format: str = "htm
     Returns the index path. ``out`` must not exist unless ``overwrite`` (then it is replaced, but only
     if it is empty or a previous report directory). Every pair is checked before anything is written.
     """
-    from kvmem.report.index import index_row
 
     report_format = get_format(format)
     atlas = _as_atlas(atlas)

@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+from kvmem import __version__
+from kvmem.report.figures import neuron_figures
 from kvmem.report.index import INDEX_COLUMNS
 from kvmem.report.text import html_text as esc
 from kvmem.report.text import write_text
@@ -264,8 +266,6 @@ def render_neuron(data: dict, figures: list) -> str:
 
 
 def _version() -> str:
-    from kvmem import __version__
-
     return __version__
 
 
@@ -282,7 +282,6 @@ def _page(title: str, body: str, footer: str, *, script: str | None = None) -> s
 
 def write_neuron(record, data: dict, out: Path, stem: str) -> Path:
     """Write ``out/stem.html``: one self-contained page, figures embedded."""
-    from kvmem.report.figures import neuron_figures
 
     path = out / f"{stem}.html"
     write_text(path, render_neuron(data, neuron_figures(record, data)))

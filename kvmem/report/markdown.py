@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvmem.report.figures import neuron_figures
 from kvmem.report.html import TRIGGER_TITLES, fmt
 from kvmem.report.index import INDEX_COLUMNS
 from kvmem.report.text import md_code, md_text, write_text
@@ -136,7 +137,6 @@ def _explanations(data: dict) -> list[str]:
 
 def write_neuron(record, data: dict, out: Path, stem: str) -> Path:
     """Write ``out/stem.md`` and its figures as PNG files in ``out/stem_files/``."""
-    from kvmem.report.figures import neuron_figures
 
     figures = neuron_figures(record, data)
     folder = out / f"{stem}_files"

@@ -44,7 +44,10 @@ import os
 
 import numpy as np
 
+from kvmem import __version__
+from kvmem.conventions import CONVENTIONS
 from kvmem.report.text import clean
+from kvmem.schema import KEY_VECTORS, TRIGGER_KINDS
 
 __all__ = ["SCHEMA", "neuron_data"]
 
@@ -67,9 +70,6 @@ def _number(value):
 def neuron_data(atlas, layer: int, neuron: int, *, record=None, explanations=None) -> dict:
     """The ``kvmem.neuron/1`` dict of one neuron (``record``: its :class:`NeuronRecord`, if already read;
     ``explanations``: its rows of the explanations table, if already read)."""
-    from kvmem import __version__
-    from kvmem.conventions import CONVENTIONS
-    from kvmem.schema import KEY_VECTORS
 
     record = record if record is not None else atlas.neuron(layer, neuron)
     manifest = atlas.manifest
@@ -167,7 +167,6 @@ def _triggers(frame) -> dict:
             "context_trigger": int(row.context_trigger),
             "context_activations": [_number(a) for a in _list(row.context_activations)],
         })
-    from kvmem.schema import TRIGGER_KINDS
 
     return {kind: out[kind] for kind in TRIGGER_KINDS if kind in out}
 

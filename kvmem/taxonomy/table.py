@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvmem import __version__
+from kvmem.atomic import read_replaced_parquet
+from kvmem.conventions import CONVENTIONS
 from kvmem.errors import KvmemError
 from kvmem.taxonomy.thresholds import THRESHOLD_SOURCES, Thresholds
 
@@ -136,8 +139,6 @@ def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, c
     self-suppression rank reads (default: the atlas's default convention). ``block``: neurons per block of
     the vocabulary-wide statistics.
     """
-    from kvmem import __version__
-    from kvmem.conventions import CONVENTIONS
     from kvmem.taxonomy.evidence import evidence_columns
     from kvmem.taxonomy.streaming import scan_columns
     from kvmem.taxonomy.weights import VALUE_CONVENTION, value_vectors, weight_statistics
@@ -213,7 +214,6 @@ def write_taxonomy(frame: pd.DataFrame, metadata: dict, path: str | os.PathLike)
 
 def read_taxonomy(path: str | os.PathLike) -> pd.DataFrame:
     """The taxonomy table as a DataFrame (``frame.attrs['kvmem.taxonomy']`` holds its metadata)."""
-    from kvmem.atomic import read_replaced_parquet
 
     path = Path(path)
     if not path.exists():
