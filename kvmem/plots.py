@@ -16,7 +16,6 @@ import pandas as pd
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.report.text import mpl_text
-from kvmem.taxonomy.summary import layer_summary
 
 __all__ = [
     "NEGATIVE",
@@ -250,6 +249,8 @@ def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str
     reference value drawn as a dashed line (a paper's number). Call again with the same ``ax`` to overlay
     another column.
     """
+
+    from kvmem.taxonomy.summary import layer_summary  # here: the taxonomy package imports torch
 
     _require(frame, ["layer"], "plot_taxonomy")
     summary = layer_summary(frame, column, statistic=statistic)
