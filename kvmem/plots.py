@@ -251,6 +251,8 @@ def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str
     """
     from kvmem.taxonomy.summary import layer_summary
 
+    from kvmem.taxonomy.summary import layer_summary  # here: the taxonomy package imports torch
+
     _require(frame, ["layer"], "plot_taxonomy")
     summary = layer_summary(frame, column, statistic=statistic)
     ax = _axes(ax, figsize=(5.0, 2.8))

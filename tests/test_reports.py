@@ -183,7 +183,7 @@ def test_html_is_self_contained_and_escaped(atlas, best, tmp_path):
         assert "http://" not in text.replace("http://x.invalid", "") and "https://" not in text
         assert sum(tag == "img" for tag, _ in parsed.tags) == 2 + len(atlas.conventions)
         shown = "".join(parsed.text)
-        for needle in (atlas.manifest.model["fingerprint"], "final_norm", "raw", f"L{layer}/{neuron}",
+        for needle in (atlas.manifest.model["fingerprint"], "final_norm", "raw", f"{layer}:{neuron}",
                        f"{atlas.manifest.tokens:,}", atlas.manifest.kvmem_version, "Key projection",
                        "Does the value promote"):
             assert needle in shown

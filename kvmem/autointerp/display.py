@@ -17,6 +17,8 @@ def _num(value) -> float | None:
 def explanation_dicts(frame) -> list[dict]:
     """One JSON-ready dict per row: side, explainer, text, rule and each score with its interval and baselines."""
     out = []
+    if not len(frame):  # itertuples would still build a namedtuple class of every column
+        return out
     for row in frame.itertuples(index=False):
         scores = {}
         for name in SCORE_NAMES:

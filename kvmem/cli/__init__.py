@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("experiment_cmd", "run a Geva et al. measurement on an atlas"),
     "trace": ("trace_cmd", "which memories build a prediction, layer by layer"),
     "generate": ("trace_cmd", "generate with memory coefficients set, beside the unchanged model"),
+    "serve": ("serve_cmd", "explore an atlas in the browser: neuron pages, search, live traces and edits"),
 }
 
 
