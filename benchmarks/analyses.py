@@ -83,10 +83,12 @@ def factors(manifest: dict) -> dict[str, float]:
             "layers*params": (32 * LLAMA_8B["params"]) / (layers * params)}
 
 
-def timed(argv: list[str], env: dict) -> dict:
+def timed(argv: list[str], env: dict, cwd: Path = ROOT) -> dict:
+    """Seconds of one command started in ``cwd`` (``python -m kvmem`` imports the kvmem of its working
+    directory first, whatever PYTHONPATH says), with the load average before and after."""
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         sys.exit(f"{' '.join(argv[-8:])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -123,10 +125,11 @@ def main() -> None:
     manifest = json.loads((source / "manifest.json").read_text())
     scale = factors(manifest)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    variants = {"this": env}
+    variants = {"this": (env, ROOT)}
     if args.baseline_source:
-        variants = {"baseline": {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(args.baseline_source).resolve()), os.environ.get("PYTHONPATH", "")])}, **variants}
+        baseline = Path(args.baseline_source).resolve()
+        variants = {"baseline": ({**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(baseline), os.environ.get("PYTHONPATH", "")])}, baseline), **variants}
     folder = Path(tempfile.mkdtemp(prefix="kvmem-analyses-"))
     results: dict = {}
     try:
@@ -145,7 +148,7 @@ def main() -> None:
         for name in names:
             words, output = COMMANDS[name]
             row = {}
-            for variant, variant_env in variants.items():
+            for variant, (variant_env, cwd) in variants.items():
                 atlas, out = folder / variant / "atlas", folder / variant / "out"
                 if not atlas.exists():
                     shutil.copytree(source, atlas, copy_function=os.link)
@@ -153,7 +156,7 @@ def main() -> None:
                 argv = [sys.executable, "-m", "kvmem", *(w.format(atlas=atlas, out=out) for w in words)]
                 if args.layers and words[0] == "experiment" and name != "lm-quality":
                     argv += ["--layers", args.layers]
-                row[variant] = timed(argv, variant_env)
+                row[variant] = timed(argv, variant_env, cwd)
             if args.baseline_source and output:
                 row["equal_outputs"] = same_output(folder / "baseline" / "out" / output, folder / "this" / "out" / output)
             results[name] = row

@@ -74,10 +74,11 @@ def tuned_main(argv: list[str]) -> None:
     os._exit(code)
 
 
-def timed(argv: list[str], env: dict) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) of one command in a fresh process."""
+def timed(argv: list[str], env: dict, cwd: Path = ROOT) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of one command in a fresh process, started in ``cwd`` (``python -m kvmem``
+    imports the kvmem of its working directory first, whatever PYTHONPATH says)."""
     started = time.perf_counter()
-    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
     error = process.stderr.read().decode(errors="replace")
@@ -103,12 +104,12 @@ def main() -> None:
         return
 
     here_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    variants = {"plain": ([sys.executable, "-m", "kvmem"], here_env),
-                "tuned": ([sys.executable, str(HERE / "process_tuning.py"), "--tuned"], here_env)}
+    variants = {"plain": ([sys.executable, "-m", "kvmem"], here_env, ROOT),
+                "tuned": ([sys.executable, str(HERE / "process_tuning.py"), "--tuned"], here_env, ROOT)}
     if args.baseline_source:
-        source = str(Path(args.baseline_source).resolve())
-        variants["baseline"] = ([sys.executable, "-m", "kvmem"],
-                                {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])})
+        source = Path(args.baseline_source).resolve()
+        variants["baseline"] = ([sys.executable, "-m", "kvmem"], {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(source), os.environ.get("PYTHONPATH", "")])}, source)
     folder = Path(tempfile.mkdtemp(prefix="kvmem-tuning-"))
     try:
         atlas = folder / "atlas"
@@ -118,13 +119,13 @@ def main() -> None:
         commands["info"] = ["info", "--atlas", str(atlas)]
         commands["neuron"] = ["neuron", "--atlas", str(atlas), "20:100"]
         first = next(iter(commands))
-        for prefix, env in variants.values():  # warm: the model converted, projections cached, kernels compiled
-            timed([*prefix, *commands[first]], env)
+        for prefix, env, cwd in variants.values():  # warm: the model converted, projections cached, kernels compiled
+            timed([*prefix, *commands[first]], env, cwd)
         results = {command: {name: [] for name in variants} for command in commands}
         for _ in range(args.rounds):
             for command, words in commands.items():
-                for name, (prefix, env) in variants.items():
-                    results[command][name].append(timed([*prefix, *words], env))
+                for name, (prefix, env, cwd) in variants.items():
+                    results[command][name].append(timed([*prefix, *words], env, cwd))
                     print(json.dumps({"command": command, "variant": name, "seconds": round(results[command][name][-1][0], 2),
                                       "peak_rss_mb": round(results[command][name][-1][1])}), flush=True)
     finally:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the names below, as type checkers and IDEs see them; _LAZY 
     from kvmem.atlas import open_atlas as open
     from kvmem.autointerp import explain, score
     from kvmem.errors import KvmemError
+    from kvmem.explorer import explore
     from kvmem.intervention import intervene
     from kvmem.loading import load_model
     from kvmem.models import Model
@@ -48,7 +49,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 __all__ = ["__version__", "KvmemError", "load_model", "Model", "corpus", "anatomy", "scan", "merge", "open", "Atlas",
-           "trace", "intervene", "plots", "experiments", "report", "export", "records", "explain", "score"]
+           "trace", "intervene", "plots", "experiments", "report", "export", "records", "explain", "score",
+           "explore"]
 
 
 def __getattr__(name: str) -> Any:

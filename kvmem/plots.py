@@ -249,7 +249,6 @@ def plot_taxonomy(frame, *, column: str = "suppression", ax=None, statistic: str
     reference value drawn as a dashed line (a paper's number). Call again with the same ``ax`` to overlay
     another column.
     """
-
     from kvmem.taxonomy.summary import layer_summary  # here: the taxonomy package imports torch
 
     _require(frame, ["layer"], "plot_taxonomy")

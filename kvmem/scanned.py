@@ -20,9 +20,9 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from kvmem import loading
 from kvmem.corpus import open_corpus
 from kvmem.errors import KvmemError
-from kvmem.loading import load_model
 
 if TYPE_CHECKING:
     from kvmem.corpus import Corpus
@@ -76,7 +76,7 @@ def load_scanned_model(source, *, device: Any = None, on_mismatch: str = "raise"
     dtype and hub revision; its fingerprint is checked (:func:`check_model` with ``on_mismatch``)."""
 
     scanned = _manifest(source).model
-    model = load_model(scanned["name"], device=device, dtype=scanned.get("dtype"), revision=scanned.get("revision"))
+    model = loading.load_model(scanned["name"], device=device, dtype=scanned.get("dtype"), revision=scanned.get("revision"))
     check_model(source, model, on_mismatch=on_mismatch, stacklevel=2)
     return model
 

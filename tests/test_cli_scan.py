@@ -25,13 +25,15 @@ SETTINGS = ["--top-k", "4", "--window", "8", "--batch-size", "1", "--per-documen
 
 
 def assert_same_tables(a: Path, b: Path, *, same_path: bool = True) -> None:
-    """Every table byte-identical, and the manifests equal but for timing (and the corpus path unless
-    ``same_path``: the same text read from a copy)."""
+    """Every table byte-identical, and the manifests equal but for timing and the environment variables
+    they record (a test sets KVMEM_PREFETCH for one run; and the corpus path unless ``same_path``: the
+    same text read from a copy)."""
     for table in kvmem.schema.TABLES:
         assert (a / f"{table}.parquet").read_bytes() == (b / f"{table}.parquet").read_bytes(), table
     ma, mb = (json.loads((x / "manifest.json").read_text()) for x in (a, b))
     for manifest in (ma, mb):
         manifest.pop("timing")
+        manifest["environment"].pop("variables")
         if not same_path:
             manifest["corpus"].pop("spec")
     assert ma == mb
@@ -136,6 +138,7 @@ def test_cli_resume_after_sigkill_equals_the_uninterrupted_scan(prefetch, gpt2_d
     _kill_after_checkpointed_batches(argv, state)
     assert not out.exists()
     assert main([*argv, "--resume"]) == 0
+    assert kvmem.open(out).manifest.environment["variables"]["KVMEM_PREFETCH"] == prefetch
     assert_same_tables(whole, out)
     assert not state.parent.exists()
     capsys.readouterr()

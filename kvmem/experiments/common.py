@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from kvmem import __version__
+from kvmem import __version__, loading
 from kvmem.conventions import CONVENTIONS, get_convention
 from kvmem.corpus import open_corpus
 from kvmem.errors import KvmemError
-from kvmem.loading import load_model
 from kvmem.models import Model
 from kvmem.scanned import FingerprintWarning, check_model, load_scanned_model, scanned_corpus
 from kvmem.tracing import project
@@ -168,7 +167,7 @@ def model_for_atlas(atlas: Atlas | str | os.PathLike, model: Model | str | os.Pa
     if model is None:
         return load_scanned_model(atlas, device=device, on_mismatch="warn")
     if not isinstance(model, Model):
-        model = load_model(model, device=device)
+        model = loading.load_model(model, device=device)
     check_fingerprint(atlas, model)
     return model
 
