@@ -9,9 +9,9 @@ tokens in Python. Here the same computations run on :class:`~kvmem.autointerp.la
   a rule is a membership test of (rule, key id) pairs, for all queries at once;
 - the explainer's counts ``pos_k`` / ``neg_k`` are one ``np.unique`` over (side, key) pairs, and
   its ranking one ``np.lexsort`` by (side, -gain, -pos_k, key text);
-- the scorers' tasks pick and order the held-out examples with sorts over all sides, and their
-  bootstrap intervals run for all tasks of one size at once
-  (:func:`kvmem.autointerp.scorers.statistics.bootstrap_many`).
+- the scorers' tasks pick and order the held-out examples with sorts over all sides, and every
+  side's answers are counted with one ``np.bincount`` per column; its interval, p-value and metrics
+  then come from the scorer module's own ``evaluate`` on those answers (so both paths share them).
 
 The results equal the per-side path's exactly (a test compares both on real atlases): the same
 examples in the same order, the same floating-point operations in the same order where order
@@ -28,14 +28,11 @@ from kvmem.autointerp.explanation import Explanation
 from kvmem.autointerp.layertable import BAND_CODE
 from kvmem.autointerp.rules import RULE_KINDS, Rule, normalize
 from kvmem.autointerp.scorers import SCORERS
-from kvmem.autointerp.scorers.base import PER_BAND, Task, summarise
-from kvmem.autointerp.scorers.nulls import label_permutation_p, swap_p
+from kvmem.autointerp.scorers.base import PER_BAND, Task
 from kvmem.autointerp.scorers.simulation import MAX_RANDOM, MAX_TOP
 from kvmem.autointerp.scorers.statistics import (
     N_BOOT,
     balanced_accuracy_from,
-    bootstrap_many,
-    paired_bootstrap,
     pearson_from,
 )
 from kvmem.autointerp.splits import splitmix64
@@ -366,7 +363,7 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
         columns = [fires & t, ~fires & t, ~fires & ~t, fires & ~t]
     total = int(sizes.sum())
     sums = np.stack([np.bincount(group, weights=np.asarray(c, np.float64), minlength=total) for c in columns], axis=1)
-    sums_list = [sums[a:a + n] for a, n in zip(offset.tolist(), sizes.tolist())]
+    sums_list = [sums[a:a + n] for a, n in zip(offset.tolist(), sizes.tolist())]  # each task's per-example sums
     totals = np.stack([part.sum(axis=0) for part in sums_list]) if sums_list else np.zeros((0, len(columns)))
     scores = np.where(sizes > 0, np.asarray(statistic(totals), np.float64), np.nan) if len(totals) else np.zeros(0)
     n_eval = len(evaluations)
@@ -388,16 +385,17 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
             low[e], high[e], p[e], metrics[e] = result.low, result.high, result.p, result.metrics
             paired[e] = (task, records)
         return scores, low, high, p, metrics, paired
-    low, high = bootstrap_many(statistic, sums_list, n_boot=n_boot, seed=seed, exact_sums=True)
+    low, high = np.full(n_eval, np.nan), np.full(n_eval, np.nan)
     for e in range(n_eval):
         if sizes[e] == 0:
             continue
         part = slice(q_start[e], q_start[e + 1])
         task = Task(scorer=scorer, queries=(), truth=tuple(t[part].tolist()), group=tuple(tasks.group[query[part]].tolist()),
                     codes=())
-        _, _, p[e], metrics[e], _ = summarise(scorer, task, fires[part],
-                                              p_value=swap_p if scorer == "fuzzing" else label_permutation_p)
-        paired[e] = sums_list[e]
+        answers = fires[part]
+        result = module.evaluate(task, answers, seed=seed, n_boot=n_boot)
+        low[e], high[e], p[e], metrics[e] = result.low, result.high, result.p, result.metrics
+        paired[e] = (task, answers)
     return scores, low, high, p, metrics, paired
 
 
@@ -428,10 +426,7 @@ def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rule
         own, other = paired[i], paired[n_rows + k]
         if own is None or other is None:
             continue
-        if scorer == "simulation":
-            diff_low[i], diff_high[i] = module.paired(own[0], own[1], other[1], seed=seed, n_boot=n_boot)
-        else:
-            diff_low[i], diff_high[i] = paired_bootstrap(balanced_accuracy_from, own, other, n_boot=n_boot, seed=seed)
+        diff_low[i], diff_high[i] = module.paired(own[0], own[1], other[1], seed=seed, n_boot=n_boot)
     n_quiet = np.full(n_rows, -1, np.int64)
     if scorer == "detection":
         quiet = np.bincount(table.owner[tasks.example[~np.asarray(tasks.truth, bool)]], minlength=len(table.side))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvmem.autointerp.scorers.nulls import label_permutation_p
+from kvmem.autointerp.scorers.nulls import classification_null, hull, label_permutation_p, shifted_interval
 from kvmem.autointerp.scorers.statistics import (
     N_BOOT,
     balanced_accuracy_from,
@@ -109,17 +109,30 @@ def summarise(name: str, task: Task, answers, *, p_value=label_permutation_p, sc
 
 
 def classify(name: str, task: Task, answers, *, seed: int, n_boot: int, judge: str, p_value=label_permutation_p,
-             n: int | None = None, scores=None) -> Score:
-    """A classification scorer's :class:`Score`: :func:`summarise` and a bootstrap interval over examples."""
+             swap: bool = False, n: int | None = None, scores=None) -> Score:
+    """A classification scorer's :class:`Score`: :func:`summarise`, and the hull of a bootstrap interval over
+    examples and the shift interval of the side's label-permutation null (``swap``: the two labels of an example
+    exchanged instead; :mod:`kvmem.autointerp.scorers.nulls`)."""
     sums, score, p, metrics, n_quiet = summarise(name, task, answers, p_value=p_value, scores=scores)
-    low, high = bootstrap(balanced_accuracy_from, sums, n_boot=n_boot, seed=seed)
+    low, high = float("nan"), float("nan")
+    if len(sums):
+        null = classification_null(task.truth, task.group, [answers], swap=swap, n_perm=n_boot, seed=seed)[0]
+        low, high = hull(bootstrap(balanced_accuracy_from, sums, n_boot=n_boot, seed=seed),
+                         shifted_interval(score, null, chance=0.5), bounds=(0.0, 1.0))
     return Score(scorer=name, score=score, low=low, high=high, n=len(set(task.group)) if n is None else n,
                  judge=judge, codes=task.codes, p=p, n_quiet=n_quiet, metrics=metrics, protocol=task.protocol)
 
 
-def paired_classification(task: Task, answers, base_answers, *, seed: int, n_boot: int) -> tuple[float, float]:
-    """Interval of balanced accuracy minus its baseline's, both on ``task``'s examples (paired bootstrap)."""
+def paired_classification(task: Task, answers, base_answers, *, seed: int, n_boot: int,
+                          swap: bool = False) -> tuple[float, float]:
+    """Interval of balanced accuracy minus its baseline's, both on ``task``'s examples: the hull of the paired
+    bootstrap and the shift interval of the difference's null (both answer vectors re-paired by the same draws)."""
     truth = np.asarray(task.truth, bool)
+    if not len(truth):
+        return float("nan"), float("nan")
     own = confusion_sums(np.asarray(answers, bool), truth, task.group)
     base = confusion_sums(np.asarray(base_answers, bool), truth, task.group)
-    return paired_bootstrap(balanced_accuracy_from, own, base, n_boot=n_boot, seed=seed)
+    observed = float(balanced_accuracy_from(own.sum(axis=0)) - balanced_accuracy_from(base.sum(axis=0)))
+    nulls = classification_null(truth, task.group, [answers, base_answers], swap=swap, n_perm=n_boot, seed=seed)
+    return hull(paired_bootstrap(balanced_accuracy_from, own, base, n_boot=n_boot, seed=seed),
+                shifted_interval(observed, nulls[0] - nulls[1], chance=0.0), bounds=(-1.0, 1.0))

@@ -71,8 +71,9 @@ def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge:
     # Delphi's default pairs separate windows (one query each): the labels are permuted, not swapped
     p_value = label_permutation_p if task.protocol == "delphi" else swap_p
     return classify(NAME, task, answers, seed=seed, n_boot=n_boot, judge=judge, p_value=p_value, n=len(task.codes),
-                    scores=scores)
+                    scores=scores, swap=task.protocol != "delphi")
 
 
 def paired(task: Task, answers, base_answers, *, seed: int = 0, n_boot: int = N_BOOT) -> tuple[float, float]:
-    return paired_classification(task, answers, base_answers, seed=seed, n_boot=n_boot)
+    return paired_classification(task, answers, base_answers, seed=seed, n_boot=n_boot,
+                                 swap=task.protocol != "delphi")

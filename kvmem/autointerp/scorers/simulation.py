@@ -5,9 +5,10 @@ kvmem's protocol: held-out records with stored context coefficients: the side's 
 from 0 to 10 for every token of each context (parsed from its answer; no logprobs); the score is the
 Pearson correlation of predictions and true side activations pooled over all tokens of all records
 (neuron-explainer's all-at-once correlation). A constant prediction scores 0 (it says nothing).
-The p-value and the interval come from the side's record-permutation null
-(:func:`kvmem.autointerp.scorers.nulls.record_permutation`): a percentile bootstrap over ~30 records of
-heavy-tailed activations covers the truth too rarely (benchmarks/score_calibration.py).
+The p-value comes from the side's record-permutation null
+(:func:`kvmem.autointerp.scorers.nulls.record_permutation`); the interval is the hull of a bootstrap over
+records and that null's shift interval (a percentile bootstrap alone over ~30 records of heavy-tailed
+activations covers chance too rarely: benchmarks/score_calibration.py).
 
 ``protocol="neuron-explainer"`` builds its records 1:1 and scores NaN where the correlation is undefined
 (:mod:`kvmem.autointerp.scorers.protocols`). ``metrics`` carry neuron-explainer's ``rsquared`` and
@@ -19,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Score, Task
-from kvmem.autointerp.scorers.nulls import permutation_p, record_permutation, shifted_interval
+from kvmem.autointerp.scorers.nulls import hull, permutation_p, record_permutation, shifted_interval
 from kvmem.autointerp.scorers.protocols import neuron_explainer_records
-from kvmem.autointerp.scorers.statistics import N_BOOT, moment_sums, pearson_from
+from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, moment_sums, paired_bootstrap, pearson_from
 
 __all__ = ["build", "evaluate", "paired", "NAME", "ANSWER", "ASPECT", "MAX_TOP", "MAX_RANDOM"]
 
@@ -52,9 +53,11 @@ def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge:
     records = [np.asarray(a, np.float64) for a in answers]
     predicted, truth = np.concatenate(records), np.concatenate(task.truth)
     tokens_of = np.repeat(np.asarray(task.group), [len(t) for t in task.truth])
-    score = float(pearson_from(moment_sums(predicted, truth, tokens_of).sum(axis=0)))
+    sums = moment_sums(predicted, truth, tokens_of)
+    score = float(pearson_from(sums.sum(axis=0)))
     observed, null = record_permutation(records, task.truth, n_perm=n_boot, seed=seed)
-    low, high = shifted_interval(score, null)
+    low, high = hull(bootstrap(pearson_from, sums, n_boot=n_boot, seed=seed),
+                     shifted_interval(score, null, chance=0.0, fisher=True), bounds=(-1.0, 1.0))
     p = permutation_p(observed, null)
     with np.errstate(invalid="ignore", divide="ignore"):
         metrics = {"rsquared": float(1 - np.mean((truth - predicted) ** 2) / np.mean(truth ** 2)),
@@ -66,12 +69,16 @@ def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge:
 
 
 def paired(task: Task, answers, base_answers, *, seed: int = 0, n_boot: int = N_BOOT) -> tuple[float, float]:
-    """Interval of r minus the baseline's r on the same records: both predictions move with one record
-    permutation (the same draws), and the observed difference is shifted by the null's centred quantiles."""
+    """Interval of r minus the baseline's r on the same records: the hull of the paired bootstrap and the shift
+    interval of the difference's null (both predictions moved by the same record permutations)."""
     if not task.queries:
         return float("nan"), float("nan")
-    own, null_own = record_permutation([np.asarray(a, np.float64) for a in answers], task.truth, n_perm=n_boot,
-                                       seed=seed)
-    base, null_base = record_permutation([np.asarray(a, np.float64) for a in base_answers], task.truth,
-                                         n_perm=n_boot, seed=seed)
-    return shifted_interval(own - base, null_own - null_base, fisher=False)
+    own_records = [np.asarray(a, np.float64) for a in answers]
+    base_records = [np.asarray(a, np.float64) for a in base_answers]
+    own, null_own = record_permutation(own_records, task.truth, n_perm=n_boot, seed=seed)
+    base, null_base = record_permutation(base_records, task.truth, n_perm=n_boot, seed=seed)
+    truth = np.concatenate(task.truth)
+    tokens_of = np.repeat(np.asarray(task.group), [len(t) for t in task.truth])
+    boot = paired_bootstrap(pearson_from, moment_sums(np.concatenate(own_records), truth, tokens_of),
+                            moment_sums(np.concatenate(base_records), truth, tokens_of), n_boot=n_boot, seed=seed)
+    return hull(boot, shifted_interval(own - base, null_own - null_base, chance=0.0), bounds=(-2.0, 2.0))
