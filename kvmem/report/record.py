@@ -33,8 +33,10 @@ Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
                   present only when the atlas has one (``kvmem taxonomy --atlas A`` writes it)
     explanations  [explanation] from the atlas's explanations.parquet (kvmem explain / kvmem score), [] if none;
                   explanation = {layer, neuron, side, explainer, explainer_model, prompt_version, prompt_hash, text,
-                  rule (JSON or null), scores: {scorer: {score, low, high, n, judge, baseline, baseline_low,
-                  baseline_high, baseline_from, random_init, random_init_low, random_init_high}}}
+                  rule (JSON or null), scores: {scorer: {score, low, high, p, n, n_quiet, status, protocol, judge,
+                  baseline, baseline_low, baseline_high, baseline_from, diff_low, diff_high, random_init,
+                  random_init_low, random_init_high, random_init_population: {n, q1, median, q3, share_below} or
+                  null, random_init_text}}} (kvmem.autointerp.display.explanation_dicts)
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def _taxonomy(atlas, layer: int, neuron: int) -> dict | None:
 def _explanations(atlas, layer: int, neuron: int) -> list[dict]:
     from kvmem.autointerp.display import explanation_dicts
 
-    rows = explanation_dicts(atlas.explanations(layer, neuron))
+    rows = explanation_dicts(atlas.explanations(layer, neuron), population=atlas.explanations(layer))
     return [{k: clean(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
 
 
