@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmem.autointerp.api import explain
-    from kvmem.autointerp.scoring import score
     from kvmem.autointerp.explainers import BackendOptions
+    from kvmem.autointerp.scoring import score
     from kvmem.autointerp.selection import parse_neurons
 
     options = BackendOptions(model_name=args.model_name, api_key_env=args.api_key_env, timeout=args.timeout,

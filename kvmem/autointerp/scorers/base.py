@@ -15,7 +15,6 @@ import numpy as np
 
 from kvmem.autointerp.scorers.nulls import classification_null, hull, label_permutation_p, shifted_interval
 from kvmem.autointerp.scorers.statistics import (
-    N_BOOT,
     balanced_accuracy_from,
     bootstrap,
     classification_metrics,

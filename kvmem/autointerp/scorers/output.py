@@ -17,7 +17,15 @@ carry over to the held-out half (``' count'`` and ``'Count'`` are different toke
 
 from __future__ import annotations
 
-from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Score, Task, classify, paired_classification
+from kvmem.autointerp.scorers.base import (
+    DEFAULT_PROTOCOL,
+    PER_BAND,
+    Query,
+    Score,
+    Task,
+    classify,
+    paired_classification,
+)
 from kvmem.autointerp.scorers.statistics import N_BOOT
 
 __all__ = ["build", "evaluate", "paired", "NAME", "ANSWER", "ASPECT"]
