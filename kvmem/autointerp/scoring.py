@@ -324,6 +324,6 @@ def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed:
             if match is None:
                 continue
             for s in scorers:
-                for suffix in ("", "_low", "_high"):
+                for suffix in ("", "_low", "_high", "_p"):
                     out.at[i, f"{s}_random_init{suffix}"] = getattr(match, f"{s}{suffix}")
     return out

@@ -69,8 +69,9 @@ SCORE_FIELDS: dict[str, str] = {
     "_baseline_from": "int32, the neuron whose explanation the baseline used (-1 if none)",
     "_diff_low": "float64, 95% interval of the score minus the baseline, paired on the same examples",
     "_diff_high": "float64, upper end",
-    "_random_init": "float64, the score of this neuron side in a random-init copy of the model (same pipeline)",
-    "_random_init_low": "float64", "_random_init_high": "float64",
+    "_random_init": "float64, the score of this neuron side in a random-init copy of the model (same pipeline; "
+                    "compare distributions, not rows)",
+    "_random_init_low": "float64", "_random_init_high": "float64", "_random_init_p": "float64",
 }
 COLUMNS: dict[str, str] = {**BASE, **{f"{s}{suffix}": text for s in SCORER_NAMES for suffix, text in SCORE_FIELDS.items()}}
 

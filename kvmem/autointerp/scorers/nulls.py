@@ -37,7 +37,9 @@ The draws depend on (seed, number of examples) only, like the bootstrap's
 
 from __future__ import annotations
 
+from fractions import Fraction
 from functools import lru_cache
+from math import comb
 
 import numpy as np
 
@@ -49,15 +51,14 @@ N_PERM = 1000
 
 def hypergeometric_p(totals) -> float:
     """One-sided p of a classification's confusion totals (tp, fn, tn, fp) under label permutation; NaN when a
-    class is empty."""
-    from scipy.stats import hypergeom
-
+    class is empty. Exact, in integers: sum over x >= tp of C(P, x) C(N, k - x) / C(P + N, k), k the "yes" answers."""
     tp, fn, tn, fp = (int(round(float(v))) for v in np.asarray(totals, np.float64))
     positives, negatives = tp + fn, tn + fp
     if positives == 0 or negatives == 0:
         return float("nan")
-    # population positives + negatives, `positives` marked, `tp + fp` drawn (the "yes" answers)
-    return float(hypergeom.sf(tp - 1, positives + negatives, positives, tp + fp))
+    k = tp + fp
+    tail = sum(comb(positives, x) * comb(negatives, k - x) for x in range(tp, min(positives, k) + 1))
+    return float(Fraction(tail, comb(positives + negatives, k)))
 
 
 def label_permutation_p(sums) -> float:
@@ -66,12 +67,10 @@ def label_permutation_p(sums) -> float:
 
 
 def sign_test_p(right: int, decided: int) -> float:
-    """P(Binomial(decided, 1/2) >= right); 1.0 when nothing was decided."""
-    from scipy.stats import binom
-
+    """P(Binomial(decided, 1/2) >= right), exact; 1.0 when nothing was decided."""
     if decided <= 0:
         return 1.0
-    return float(binom.sf(int(right) - 1, int(decided), 0.5))
+    return float(Fraction(sum(comb(int(decided), x) for x in range(int(right), int(decided) + 1)), 2 ** int(decided)))
 
 
 def swap_p(sums) -> float:
@@ -168,16 +167,16 @@ def hull(*intervals, bounds: tuple[float, float] = (-np.inf, np.inf)) -> tuple[f
     return float(max(min(a for a, _ in finite), bounds[0])), float(min(max(b for _, b in finite), bounds[1]))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _label_orders(n: int, n_perm: int, seed: int) -> np.ndarray:
     """[n_perm, n] random permutations of n examples, seeded by (seed, n)."""
     rng = np.random.default_rng([seed, n, 11])
-    out = np.argsort(rng.random((n_perm, n)), axis=1, kind="stable")
+    out = np.argsort(rng.random((n_perm, n)), axis=1, kind="stable").astype(np.int32)
     out.setflags(write=False)
     return out
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _swaps(g: int, n_perm: int, seed: int) -> np.ndarray:
     """[n_perm, g] bool: which examples swap their two labels, seeded by (seed, g)."""
     rng = np.random.default_rng([seed, g, 13])
@@ -189,20 +188,17 @@ def _swaps(g: int, n_perm: int, seed: int) -> np.ndarray:
 def classification_null(truth, group, answers, *, swap: bool, n_perm: int = N_PERM, seed: int = 0) -> np.ndarray:
     """[len(answers), n_perm] balanced accuracy of each answer vector (bool [Q]) against re-paired labels: the
     labels permuted over the queries (one per example), or with ``swap`` the two labels of each example (its
-    ``group``) exchanged with probability 1/2. The same draws for every answer vector (paired differences)."""
+    ``group``) exchanged with probability 1/2. The same draws for every answer vector (paired differences).
+    Either way the numbers of positive and negative labels stay, so only the true positives move."""
     truth = np.asarray(truth, bool)
     if swap:
         groups = np.unique(np.asarray(group), return_inverse=True)[1]
         labels = truth[None, :] ^ _swaps(int(groups.max()) + 1 if len(groups) else 0, n_perm, seed)[:, groups]
     else:
         labels = truth[_label_orders(len(truth), n_perm, seed)]  # [P, Q]
-    positives = labels.sum(axis=1).astype(np.float64)
-    negatives = (~labels).sum(axis=1).astype(np.float64)
-    out = np.empty((len(answers), n_perm))
+    positives, negatives = float(truth.sum()), float((~truth).sum())
+    stacked = np.asarray([np.asarray(a, bool) for a in answers], np.float64)  # [A, Q]
+    tp = stacked @ labels.T.astype(np.float64)  # [A, P]
+    yes = stacked.sum(axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for k, a in enumerate(answers):
-            a = np.asarray(a, bool)
-            tp = (labels & a[None, :]).sum(axis=1)
-            tn = (~labels & ~a[None, :]).sum(axis=1)
-            out[k] = (tp / positives + tn / negatives) / 2
-    return out
+        return (tp / positives + (negatives - (yes - tp)) / negatives) / 2

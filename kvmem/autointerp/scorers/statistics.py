@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from kvmem.experiments.stats import average_ranks
+
 __all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
            "moment_sums", "pearson_from", "bootstrap_many", "paired_bootstrap", "classification_metrics",
            "rank_auc", "resample_counts", "N_BOOT", "LEVEL"]
@@ -51,7 +53,9 @@ def pearson(x, y, weights=None) -> np.ndarray:
 
 def group_sums(groups, columns) -> np.ndarray:
     """[G, k]: the sum of each of ``columns`` ([N] arrays) over the items of each group (``groups`` [N] ints)."""
-    groups = np.unique(np.asarray(groups), return_inverse=True)[1]
+    groups = np.asarray(groups, np.int64)
+    if len(groups) and (groups.min() != 0 or not np.bincount(groups).all()):  # not already 0..G-1
+        groups = np.unique(groups, return_inverse=True)[1]
     n = int(groups.max()) + 1 if len(groups) else 0
     return np.stack([np.bincount(groups, weights=np.asarray(c, np.float64), minlength=n) for c in columns], axis=1)
 
@@ -188,11 +192,9 @@ def classification_metrics(totals, *, undefined: float = float("nan")) -> dict:
 def rank_auc(score, truth) -> float:
     """Area under the ROC curve of ``score`` [N] for bool ``truth`` [N] (Mann-Whitney, ties count half); NaN when a
     class is empty. For 0/1 scores it equals the balanced accuracy."""
-    from scipy.stats import rankdata
-
     score, truth = np.asarray(score, np.float64), np.asarray(truth, bool)
     positives, negatives = int(truth.sum()), int((~truth).sum())
     if positives == 0 or negatives == 0:
         return float("nan")
-    ranks = rankdata(score)
+    ranks = average_ranks(score)
     return float((ranks[truth].sum() - positives * (positives + 1) / 2) / (positives * negatives))
