@@ -104,11 +104,11 @@ def empty() -> pd.DataFrame:
 
 def complete(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with every column of :data:`COLUMNS` (missing ones at their 'unscored' default), in order."""
-    frame = frame.copy()
-    for name, value in _defaults().items():
-        if name not in frame.columns:
-            frame[name] = [value if value is not None else [] for _ in range(len(frame))]
-    return frame[list(COLUMNS)]
+    missing = {name: [value if value is not None else [] for _ in range(len(frame))]
+               for name, value in _defaults().items() if name not in frame.columns}
+    if missing:
+        frame = pd.concat([frame.reset_index(drop=True), pd.DataFrame(missing)], axis=1).set_axis(frame.index)
+    return frame[list(COLUMNS)].copy()
 
 
 def read(atlas_path) -> pd.DataFrame:

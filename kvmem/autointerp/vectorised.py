@@ -29,10 +29,14 @@ from kvmem.autointerp.layertable import BAND_CODE
 from kvmem.autointerp.rules import RULE_KINDS, Rule, normalize
 from kvmem.autointerp.scorers import SCORERS
 from kvmem.autointerp.scorers.base import PER_BAND, Task
+from kvmem.autointerp.scorers.nulls import classification_nulls, hull, hypergeometric_p, shifted_interval, swap_p
 from kvmem.autointerp.scorers.simulation import MAX_RANDOM, MAX_TOP
 from kvmem.autointerp.scorers.statistics import (
     N_BOOT,
     balanced_accuracy_from,
+    bootstrap_many,
+    classification_metrics,
+    paired_bootstrap,
     pearson_from,
 )
 from kvmem.autointerp.splits import splitmix64
@@ -385,18 +389,43 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
             low[e], high[e], p[e], metrics[e] = result.low, result.high, result.p, result.metrics
             paired[e] = (task, records)
         return scores, low, high, p, metrics, paired
-    low, high = np.full(n_eval, np.nan), np.full(n_eval, np.nan)
+    # classification: the nulls of all tasks with the same number of queries in one product (equal, row by row,
+    # to classification_null's), the bootstrap intervals by bootstrap_many, the rest per task from the totals
+    low, high = bootstrap_many(balanced_accuracy_from, sums_list, n_boot=n_boot, seed=seed, exact_sums=True)
+    swap = scorer == "fuzzing"
+    nulls = [None] * n_eval
+    by_size: dict[int, list[int]] = {}
+    for e in range(n_eval):
+        if sizes[e]:
+            by_size.setdefault(int(lengths[e]), []).append(e)
+    for members in by_size.values():
+        for begin in range(0, len(members), 64):
+            batch = members[begin:begin + 64]
+            truth = np.stack([t[q_start[e]:q_start[e + 1]] for e in batch])
+            answers = np.stack([fires[q_start[e]:q_start[e + 1]] for e in batch])
+            group = tasks.group[query[q_start[batch[0]]:q_start[batch[0] + 1]]]
+            for e, null in zip(batch, classification_nulls(truth, answers, group, swap=swap, n_perm=n_boot, seed=seed)):
+                nulls[e] = null
     for e in range(n_eval):
         if sizes[e] == 0:
             continue
+        totals_e = totals[e]
+        metrics_e = classification_metrics(totals_e)
+        metrics[e] = {"precision": float(metrics_e["precision"]), "recall": float(metrics_e["recall"]),
+                      "f1": float(metrics_e["f1"]), "auc": float(scores[e])}
+        p[e] = swap_p(sums_list[e]) if swap else hypergeometric_p(totals_e)
+        low[e], high[e] = hull((low[e], high[e]), shifted_interval(float(scores[e]), nulls[e], chance=0.5),
+                               bounds=(0.0, 1.0))
         part = slice(q_start[e], q_start[e + 1])
-        task = Task(scorer=scorer, queries=(), truth=tuple(t[part].tolist()), group=tuple(tasks.group[query[part]].tolist()),
-                    codes=())
-        answers = fires[part]
-        result = module.evaluate(task, answers, seed=seed, n_boot=n_boot)
-        low[e], high[e], p[e], metrics[e] = result.low, result.high, result.p, result.metrics
-        paired[e] = (task, answers)
+        paired[e] = (sums_list[e], nulls[e], float(scores[e]), fires[part])
     return scores, low, high, p, metrics, paired
+
+
+def _paired_classification(own, base, *, seed: int, n_boot: int) -> tuple[float, float]:
+    """:func:`~kvmem.autointerp.scorers.base.paired_classification` from what :func:`_evaluate` kept of a side's
+    evaluation and its baseline's (per-example sums, null, score): the same draws, so the same interval."""
+    boot = paired_bootstrap(balanced_accuracy_from, own[0], base[0], n_boot=n_boot, seed=seed)
+    return hull(boot, shifted_interval(own[2] - base[2], own[1] - base[1], chance=0.0), bounds=(-1.0, 1.0))
 
 
 def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rules_of_rows: list,
@@ -426,7 +455,10 @@ def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rule
         own, other = paired[i], paired[n_rows + k]
         if own is None or other is None:
             continue
-        diff_low[i], diff_high[i] = module.paired(own[0], own[1], other[1], seed=seed, n_boot=n_boot)
+        if scorer == "simulation":
+            diff_low[i], diff_high[i] = module.paired(own[0], own[1], other[1], seed=seed, n_boot=n_boot)
+        else:
+            diff_low[i], diff_high[i] = _paired_classification(own, other, seed=seed, n_boot=n_boot)
     n_quiet = np.full(n_rows, -1, np.int64)
     if scorer == "detection":
         quiet = np.bincount(table.owner[tasks.example[~np.asarray(tasks.truth, bool)]], minlength=len(table.side))

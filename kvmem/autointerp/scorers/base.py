@@ -102,7 +102,8 @@ def summarise(name: str, task: Task, answers, *, p_value=label_permutation_p, sc
     if task.protocol == "delphi":
         score = metrics["balanced_accuracy"]
     p = p_value(sums) if len(sums) else float("nan")
-    metrics["auc"] = rank_auc(predicted if scores is None else scores, truth)
+    # yes / no answers rank the examples in two groups, so their AUC (ties counting half) is the balanced accuracy
+    metrics["auc"] = score if scores is None else rank_auc(scores, truth)
     metrics = {k: float(v) for k, v in metrics.items() if k != "balanced_accuracy"}
     return sums, score, p, metrics, int((~truth).sum()) if name == "detection" else -1
 

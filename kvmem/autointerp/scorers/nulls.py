@@ -44,7 +44,7 @@ from math import comb
 import numpy as np
 
 __all__ = ["hypergeometric_p", "label_permutation_p", "swap_p", "sign_test_p", "record_permutation", "permutation_p", "shifted_interval",
-           "hull", "classification_null", "N_PERM"]
+           "hull", "classification_null", "classification_nulls", "N_PERM"]
 
 N_PERM = 1000
 
@@ -200,5 +200,24 @@ def classification_null(truth, group, answers, *, swap: bool, n_perm: int = N_PE
     stacked = np.asarray([np.asarray(a, bool) for a in answers], np.float64)  # [A, Q]
     tp = stacked @ labels.T.astype(np.float64)  # [A, P]
     yes = stacked.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (tp / positives + (negatives - (yes - tp)) / negatives) / 2
+
+
+def classification_nulls(truth, answers, group, *, swap: bool, n_perm: int = N_PERM, seed: int = 0) -> np.ndarray:
+    """:func:`classification_null` of R tasks with the same number of queries and the same ``group`` layout at
+    once: ``truth``, ``answers`` [R, Q] bool -> [R, n_perm] (row r equals ``classification_null(truth[r], group,
+    [answers[r]])[0]``: the same draws, integer counts, the same arithmetic)."""
+    truth, answers = np.asarray(truth, bool), np.asarray(answers, bool)
+    if swap:
+        groups = np.unique(np.asarray(group), return_inverse=True)[1]
+        flips = _swaps(int(groups.max()) + 1 if len(groups) else 0, n_perm, seed)[:, groups]  # [P, Q]
+        tp = np.einsum("rpq,rq->rp", (truth[:, None, :] ^ flips[None]).astype(np.float64), answers.astype(np.float64))
+    else:
+        orders = _label_orders(truth.shape[1], n_perm, seed)  # [P, Q]
+        tp = np.einsum("rpq,rq->rp", truth[:, orders].astype(np.float64), answers.astype(np.float64))
+    positives = truth.sum(axis=1, keepdims=True).astype(np.float64)
+    negatives = (~truth).sum(axis=1, keepdims=True).astype(np.float64)
+    yes = answers.sum(axis=1, keepdims=True).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         return (tp / positives + (negatives - (yes - tp)) / negatives) / 2
