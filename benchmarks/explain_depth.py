@@ -85,6 +85,25 @@ def _with_random_init(atlas, rows, other, scorers):
     return merged
 
 
+def _markdown(results: dict, scorers) -> str:
+    """The per-layer tables of docs/explanations.md."""
+    unit = {"simulation": "Pearson r", "output": "balanced accuracy", "detection": "balanced accuracy",
+            "fuzzing": "balanced accuracy"}
+    out = []
+    for name in scorers:
+        out += [f"**{name}** ({unit.get(name, 'score')}; mean over the layer's scorable sides [95% interval]):", "",
+                "| layer | model | scrambled explanations | random-init | p < 0.05: model | p < 0.05: random-init | "
+                "above scrambled (paired) |", "|---:|---|---|---|---|---|---|"]
+        for entry in results["per_layer"]:
+            s = entry[name]
+            pct = [f"{100 * s[k]['mean']:.1f}% [{100 * s[k]['low']:.1f}, {100 * s[k]['high']:.1f}]"
+                   for k in ("p05_model", "p05_random_init", "above_scrambled")]
+            out.append(f"| {entry['layer']} | {_fmt(s['model'])} | {_fmt(s['scrambled'])} | {_fmt(s['random_init'])} | "
+                       f"{pct[0]} | {pct[1]} | {pct[2]} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def _figure(rows, scorers, path: Path) -> None:
     import matplotlib
 
@@ -147,6 +166,7 @@ def _by_eye(atlas, rows, count: int, path: Path) -> None:
 
 def main(argv=None) -> int:
     import kvmem
+    from kvmem.autointerp import explanations
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--atlas", required=True)
@@ -180,9 +200,9 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         kvmem.score(target, scorers=",".join(scorers), explainer="tokens", neurons=neurons)
         timing[f"{name}score_s"] = time.perf_counter() - start
-    rows = kvmem.explanations(atlas, explainer="tokens", neurons=neurons)
+    rows = explanations(atlas, explainer="tokens", neurons=neurons)
     if not args.no_random_init:
-        rows = _with_random_init(atlas, rows, kvmem.explanations(sibling, explainer="tokens", neurons=neurons), scorers)
+        rows = _with_random_init(atlas, rows, explanations(sibling, explainer="tokens", neurons=neurons), scorers)
     m = atlas.manifest
     results = {"model": m.model["name"], "corpus": m.corpus.get("spec"), "tokens": m.tokens, "layers": layers,
                "scan": {k: m.scan.get(k) for k in ("random_samples", "top_k", "bin_samples", "context_before",
@@ -211,6 +231,7 @@ def main(argv=None) -> int:
     if args.by_eye:
         _by_eye(atlas, rows, args.by_eye, out / "by_eye.md")
     (out / "depth.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "depth.md").write_text(_markdown(results, scorers))
     return 0
 
 
