@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--overwrite", action="store_true", help="explain again neurons this explainer explained")
         parser.add_argument("--sides", default=None, help="positive,negative (default: both for gated FFNs)")
     else:
-        parser.add_argument("--scorers", default=",".join(DEFAULT_SCORERS), help="comma-separated scorer names")
+        parser.add_argument("--scorers", default=",".join(DEFAULT_SCORERS),
+                            help=f"comma-separated scorer names (default {','.join(DEFAULT_SCORERS)}; also intervention, "
+                                 f"which generates with the model, and embedding)")
         parser.add_argument("--judge", default="tokens", help="tokens (apply the rule), hf:PATH_OR_ID or openai:URL")
         parser.add_argument("--explanations", default=None, help="a user's file (csv, jsonl, parquet) with layer, "
                                                                  "neuron, side, text [, rule]")
