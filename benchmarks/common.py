@@ -70,9 +70,10 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def tiny_llama_dir(root: Path) -> Path:
-    """A 2-layer gated Llama (SwiGLU) with the real GPT-2 tokenizer and RMSNorm gains drawn from [0.5, 1.5]."""
-    path = root / "tiny-llama"
+def tiny_llama_dir(root: Path, *, positions: int = 128, init: float = 0.02) -> Path:
+    """A 2-layer gated Llama (SwiGLU) with the real GPT-2 tokenizer and RMSNorm gains drawn from [0.5, 1.5];
+    ``positions``: its context; ``init``: the standard deviation of its weights at initialisation."""
+    path = root / ("tiny-llama" if (positions, init) == (128, 0.02) else f"tiny-llama-n{positions}-i{init:g}")
     if path.exists():
         return path
     import torch
@@ -84,7 +85,7 @@ def tiny_llama_dir(root: Path) -> Path:
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)
+                         max_position_embeddings=positions, initializer_range=init)
     torch.manual_seed(1)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -92,5 +93,29 @@ def tiny_llama_dir(root: Path) -> Path:
             if "norm" in name:
                 parameter.uniform_(0.5, 1.5)
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def gpt2_standin_dir(root: Path, *, n_layer: int, n_embd: int, n_head: int, n_positions: int, like_embd: int) -> Path:
+    """A small random-init GPT-2 whose FFN pre-activations have the spread of one of width ``like_embd``:
+    at initialisation the FFN reads a LayerNorm output (unit variance per component) through weights of
+    standard deviation r, so its pre-activations have standard deviation r·sqrt(d); r = 0.02 ·
+    sqrt(like_embd / n_embd) gives GPT-2's 0.02·sqrt(like_embd) (0.55 for GPT-2 small), and with it
+    as many coefficients near GELU's floor (about -0.17) as the full-size model has."""
+    init = 0.02 * (like_embd / n_embd) ** 0.5
+    path = root / f"gpt2-standin-L{n_layer}-d{n_embd}-like{like_embd}"
+    if path.exists():
+        return path
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    from kvmem.builtin import gpt2_tokenizer_dir
+
+    tokenizer = GPT2TokenizerFast.from_pretrained(gpt2_tokenizer_dir())
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
+                        vocab_size=len(tokenizer), initializer_range=init)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

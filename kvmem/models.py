@@ -31,7 +31,7 @@ from kvmem.anatomy import model_anatomy
 from kvmem.architectures import ACTIVATIONS, ArchitectureSpec, hook_name
 from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
-from kvmem.unbridged import unbridged
+from kvmem.unbridged import separate_tree, unbridged
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -86,9 +86,11 @@ class Model:
     """
 
     def __init__(self, hf_model, tokenizer, *, spec: ArchitectureSpec, name: str, source: str,
-                 fingerprint: str, revision: str | None, dtype: torch.dtype, device: str | None = None):
+                 fingerprint: str, revision: str | None, dtype: torch.dtype, device: str | None = None,
+                 description: str | None = None):
         self.spec = spec
         self.name = name
+        self.description = description  # what a built-in model is (kvmem.builtin.BUILTIN_MODELS), else None
         self.source = source
         self.fingerprint = fingerprint
         self.revision = revision
@@ -98,10 +100,9 @@ class Model:
         if device is not None:
             hf_model.to(device=resolve_device(device))  # before the bridge copies anything
         self.hf_model = hf_model
-        # HF's own choice (sdpa where supported), read before the bridge forces eager attention
+        # HF's own choice (sdpa where supported)
         self.attention: str = getattr(hf_model.config, "_attn_implementation", None) or "eager"
         self._folded: dict[str, tuple[tuple, Tensor]] = {}
-        # counted before the bridge wraps the modules (it adds split Q/K/V copies for GPT-2)
         self.parameter_counts: dict[int, tuple[int, int]] = {
             layer: (self._count(layer, self._ffn_paths()), self._count(layer, (spec.attention,)))
             for layer in range(len(self._module(spec.layers)))}
@@ -126,14 +127,18 @@ class Model:
 
     @cached_property
     def bridge(self):
-        """The TransformerLens ``TransformerBridge`` over :attr:`hf_model`, built on first use: importing
-        TransformerLens and booting the bridge take seconds, and a scan needs neither (it reads
-        :attr:`unbridged`). Booting puts the bridge's components in place of the HF modules inside
-        ``hf_model`` and switches its attention to eager; :attr:`unbridged` is unaffected either way."""
+        """A TransformerLens ``TransformerBridge`` over :attr:`hf_model`'s weights, built on first use
+        (importing TransformerLens and booting take seconds; kvmem itself never needs it: every reading and
+        edit goes through plain torch hooks on the HF modules, :mod:`kvmem.capture`).
+
+        Booting a bridge rewires the module tree it is given (its components in place of the HF modules,
+        eager attention). It is booted here on a tree of its own (:func:`kvmem.unbridged.separate_tree`) that
+        shares the parameter tensors, so :attr:`hf_model` keeps its modules, state_dict keys, attention
+        implementation and logits; a weight edited in place shows in both."""
         from transformer_lens.model_bridge import TransformerBridge
 
-        bridge = TransformerBridge.boot_transformers(self.source, hf_model=self.hf_model, tokenizer=self.tokenizer,
-                                                     device=self.device, dtype=self.dtype)
+        bridge = TransformerBridge.boot_transformers(self.source, hf_model=separate_tree(self.hf_model),
+                                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype)
         bridge.eval()
         return bridge
 
@@ -143,33 +148,61 @@ class Model:
         with the attention implementation it was loaded with (:func:`kvmem.unbridged.unbridged`)."""
         return unbridged(self.hf_model, self.attention)
 
-    def ffn_site(self, layer: int, site: str) -> tuple[torch.nn.Module, str, int | None]:
-        """Where an FFN site is computed in :attr:`unbridged` -> (module, ``"input"`` or ``"output"``,
-        the half of the output: 0 gate, 1 up of a fused gate/up projection, None all of it).
+    def site_location(self, layer: int, site: str) -> tuple[str, str, int | None]:
+        """Where a hook site of a block (:data:`kvmem.architectures.HOOK_SITES`) is computed in the HF module
+        tree -> (module path from the model's root, ``"input"`` or ``"output"`` of that module, the half of
+        the output: 0 gate, 1 up of a fused gate/up projection, None all of it).
 
-        ``post``: the coefficients m, the input of the down projection W2; ``pre``: the gate
-        pre-activation W_gate x (a plain FFN: W1 x + b); ``pre_linear``: the up pre-activation W_up x
-        (gated FFNs only)."""
+        FFN sites: ``post`` the coefficients m, the input of the down projection W2; ``pre`` the gate
+        pre-activation W_gate x (a plain FFN: W1 x + b); ``pre_linear`` the up pre-activation W_up x (gated
+        FFNs only); ``in`` the FFN's input (after the pre-FFN norm); ``out`` the FFN's output Σ m_i v_i + b2
+        (before a post-FFN norm or multiplier). Residual sites: ``resid_pre`` the block's input,
+        ``resid_post`` its output, ``resid_mid`` the residual the FFN reads in a serial block (the input of
+        the pre-FFN norm; without one, the FFN's own input); a parallel block has no ``resid_mid``.
+        """
         self._check_layer(layer)
         spec = self.spec
-        parts = {"post": (spec.value, "input", None),
-                 "pre": (spec.gate or spec.key, "output", 0 if spec.fused_gate_up else None),
-                 "pre_linear": (spec.key if spec.gate else None, "output", 1 if spec.fused_gate_up else None)}
-        if site not in parts or parts[site][0] is None:
-            raise KvmemError(f"FFN site {site!r} is not one of this {'gated' if self.gated else 'plain'} FFN's: "
-                             f"choose {', '.join(name for name, part in parts.items() if part[0])}")
-        part, where, half = parts[site]
-        module = self.unbridged
-        for name in f"{spec.layers}.{layer}.{'.'.join(p for p in (spec.mlp, part) if p)}".split("."):
-            module = module[int(name)] if name.isdigit() else getattr(module, name)
-        return module, where, half
+        block = f"{spec.layers}.{layer}"
+        ffn = ".".join(p for p in (block, spec.mlp) if p)
+        parts: dict[str, tuple[str | None, str, int | None]] = {
+            "post": (f"{ffn}.{spec.value}", "input", None),
+            "pre": (f"{ffn}.{spec.gate or spec.key}", "output", 0 if spec.fused_gate_up else None),
+            "pre_linear": (f"{ffn}.{spec.key}" if spec.gate else None, "output", 1 if spec.fused_gate_up else None),
+            "in": (f"{ffn}.{spec.key}", "input", None),
+            "out": (f"{ffn}.{spec.value}", "output", None),
+            "resid_pre": (block, "input", None),
+            "resid_post": (block, "output", None),
+            "resid_mid": (None if self.parallel_block else
+                          f"{block}.{spec.ffn_norm}" if spec.ffn_norm else f"{ffn}.{spec.key}", "input", None),
+        }
+        if site not in parts:
+            raise KvmemError(f"unknown hook site {site!r}; choose one of {', '.join(parts)}")
+        path, where, half = parts[site]
+        if path is None:
+            have = ", ".join(name for name, part in parts.items() if part[0])
+            kind = "parallel block" if site == "resid_mid" else "plain FFN"
+            raise KvmemError(f"site {site!r} does not exist in this {kind} ({self.spec.family}); its sites are {have}")
+        return path, where, half
+
+    def has_site(self, layer: int, site: str) -> bool:
+        """Whether block ``layer`` of this model has hook site ``site`` (:meth:`site_location`)."""
+        try:
+            self.site_location(layer, site)
+        except KvmemError:
+            return False
+        return True
+
+    def ffn_site(self, layer: int, site: str) -> tuple[torch.nn.Module, str, int | None]:
+        """Where an FFN site (``post``, ``pre``, ``pre_linear``) is computed in :attr:`unbridged`, the scan's
+        view -> (module, ``"input"`` or ``"output"``, the half of the output; see :meth:`site_location`)."""
+        if site not in ("post", "pre", "pre_linear"):
+            raise KvmemError(f"FFN site {site!r} is not one the scan reads: choose post, pre or pre_linear")
+        path, where, half = self.site_location(layer, site)
+        return _walk(self.unbridged, path), where, half
 
     # ---- module access (the only place that walks the HF module tree) ----
     def _module(self, path: str):
-        module = self.hf_model
-        for part in path.split("."):
-            module = module[int(part)] if part.isdigit() else getattr(module, part)
-        return module
+        return _walk(self.hf_model, path)
 
     def _optional(self, path: str | None):
         """The module at ``path``, or None where the row names none or this model lacks it."""
@@ -386,6 +419,28 @@ class Model:
             return int(self.tokenizer.convert_tokens_to_ids(SCAN_BOS[self.name]))
         return self.tokenizer.bos_token_id
 
+    def prompt_ids(self, prompt: str | list[int], *, prepend_bos: bool | None = None) -> list[int]:
+        """The ids the model reads for a prompt: its tokens (text is encoded without special tokens), after
+        :attr:`bos_token_id` as a scan reads every window, unless ``prepend_bos`` is False (None: BOS where
+        the tokenizer has one; True: BOS, or an error where it has none). Checked against the context."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise KvmemError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise KvmemError("the prompt has no tokens; pass a non-empty prompt")
+        if prepend_bos and self.bos_token_id is None:
+            raise KvmemError(f"prepend_bos=True but the tokenizer of {self.name} has no BOS token; pass "
+                             f"prepend_bos=False")
+        if prepend_bos is not False and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        if self.n_ctx and len(ids) > self.n_ctx:
+            raise KvmemError(f"the prompt is {len(ids)} tokens, more than the model's context of {self.n_ctx}; "
+                             f"shorten it")
+        return ids
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -436,6 +491,7 @@ class Model:
         """Everything that identifies this model and its FFN, for manifests."""
         return {
             "name": self.name,
+            "description": self.description,
             "fingerprint": self.fingerprint,
             "revision": self.revision,
             "model_type": self.model_type,
@@ -461,3 +517,11 @@ class Model:
         ffn = "gated" if self.gated else "plain"
         return (f"Model({self.name!r}, {self.n_layers} layers, d_model={self.d_model}, d_ff={self.d_ff}, "
                 f"{ffn} FFN, act={self.activation}, vocab={self.vocab_size})")
+
+
+def _walk(root, path: str):
+    """The module at dotted ``path`` under ``root`` (digits index a ModuleList)."""
+    module = root
+    for part in path.split("."):
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module

@@ -8,6 +8,9 @@ The rule, stable so anyone can recompute an activation:
 - a document's text is tokenized alone, with no special tokens;
 - window k of a document holds ``ids[k*W:(k+1)*W]``; the model reads ``[BOS] + window`` when
   ``bos_token_id`` is set (the BOS position is never scored);
+- the first ``skip_first`` tokens of every window are read but not scored: the model computes them
+  with no left context but BOS, and that is where position artefacts sit (massive activations on
+  the first token, Sun et al. 2024, arXiv 2402.17762), which would otherwise lead the rankings;
 - token ``pos`` of document ``doc`` is packed into one int64 *code* ``doc << 32 | pos``;
 - documents are grouped into *blocks* of ``block_documents`` consecutive documents; with
   ``sort_by_length`` a block's documents are read shortest first (stable, so equal lengths keep
@@ -43,6 +46,7 @@ DEFAULT_WINDOW = 256
 DEFAULT_BLOCK_DOCUMENTS = 64
 RULE = ("each document is tokenized alone without special tokens; window k holds tokens "
         "[k*window, (k+1)*window); the model reads [BOS] + window when prepend_bos (BOS never scored); "
+        "the first skip_first tokens of each window are read, not scored; "
         "a batch holds consecutive windows of one block of block_documents documents (shortest document "
         "first when sort_by_length, stable; when longest_windows_first, the block's full windows in corpus order, "
         "then each document's shorter last window, longest first, stable), as many as fit batch_size * window "
@@ -132,7 +136,9 @@ class TokenPlan:
     window:          tokens per window (BOS not counted)
     bos_token_id:    token read before every window and never scored; None = no BOS
     batch_size:      windows per forward when they are full (the padded budget is batch_size × window)
-    max_tokens:      scored tokens after which the stream stops (None = the whole corpus)
+    max_tokens:      tokens read after which the stream stops (None = the whole corpus)
+    skip_first:      tokens at the start of every window that are read but not scored (they have no
+                     left context but BOS: position artefacts sit there); 0 scores every token
     block_documents: documents per block (the unit that shards and ranks share out)
     shard:           (i, n): this process's part of the blocks, for batch schedulers
     sort_by_length:  read each block's documents shortest first, so batches of short documents
@@ -153,12 +159,16 @@ class TokenPlan:
     shard: tuple[int, int] = (0, 1)
     sort_by_length: bool = True
     longest_windows_first: bool = False
+    skip_first: int = 0
 
     def __post_init__(self) -> None:
         for name in ("window", "batch_size", "block_documents"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise KvmemError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.skip_first, int) or isinstance(self.skip_first, bool) or not 0 <= self.skip_first < self.window:
+            raise KvmemError(f"skip_first must be an integer in 0..{self.window - 1} (tokens of each {self.window}-token "
+                             f"window read but not scored), got {self.skip_first!r}")
         index, count = self.shard
         if not (isinstance(index, int) and isinstance(count, int) and count >= 1 and 0 <= index < count):
             raise KvmemError(f"shard must be i/N with 0 <= i < N, got {index}/{count}")
@@ -174,6 +184,10 @@ class TokenPlan:
     def window_start(self, pos: int) -> int:
         """Document position where the window holding ``pos`` starts."""
         return (pos // self.window) * self.window
+
+    def scored(self, length: int) -> range:
+        """Indices into a window of ``length`` tokens of the ones that are scored."""
+        return range(min(self.skip_first, length), length)
 
     def model_input(self, tokens) -> list[int]:
         """The ids the model reads for one window's tokens."""
@@ -198,7 +212,8 @@ class TokenPlan:
                    block_documents=int(data.get("block_documents", DEFAULT_BLOCK_DOCUMENTS)),
                    shard=tuple(data.get("shard", (0, 1))),
                    sort_by_length=bool(data.get("sort_by_length", False)),  # absent: read in corpus order
-                   longest_windows_first=bool(data.get("longest_windows_first", False)))  # absent: documents
+                   longest_windows_first=bool(data.get("longest_windows_first", False)),  # absent: documents
+                   skip_first=int(data.get("skip_first", 0)))  # absent: every token was scored
 
 
 @dataclass
@@ -236,7 +251,7 @@ class Batch:
 
     block: int
     windows: list[WindowText]
-    tokens: int  # scored tokens in this batch
+    tokens: int  # tokens read in this batch (BOS not counted)
     ordered: bool = True
 
 

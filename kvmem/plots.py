@@ -191,7 +191,10 @@ def plot_layer_summary(neurons_frame, *, axes=None):
                  label="median neuron max")
     axes[1].plot(layers, grouped["max"].max().to_numpy(), "^--", color=POSITIVE, markersize=3, linewidth=1.0,
                  label="largest neuron max")
-    axes[1].set_ylabel("coefficient")
+    # heavy tails: one massive activation (thousands) beside typical maxima of a few units would flatten a
+    # linear axis, so the axis is symmetric-log, linear within ±1
+    axes[1].set_yscale("symlog", linthresh=1.0)
+    axes[1].set_ylabel("coefficient (symlog)")
     band(axes[2], "value_norm", NEGATIVE, "‖v‖ (10–90%)")
     axes[2].plot(layers, grouped["key_norm"].mean().to_numpy(), "s--", color=_INK, markersize=3, linewidth=1.0,
                  label="‖k‖")
@@ -205,7 +208,10 @@ def plot_layer_summary(neurons_frame, *, axes=None):
 
 
 def plot_layer_neuron_overview(neurons_frame, *, column: str = "max", ax=None):
-    """A layer × neuron image of one ``atlas.neurons`` column (diverging colours around 0 when signed)."""
+    """A layer × neuron image of one ``atlas.neurons`` column (diverging colours around 0 when signed).
+
+    The colour scale is clipped to the 1st-99th percentiles (signed: ±the 99th percentile of |x|) so that a
+    few heavy-tailed neurons do not flatten the rest; the colour bar says so and the clipped ends extend."""
     numeric = [c for c in neurons_frame.columns if c not in ("layer", "neuron")
                and pd.api.types.is_numeric_dtype(neurons_frame[c])]
     if column not in numeric:
@@ -217,16 +223,20 @@ def plot_layer_neuron_overview(neurons_frame, *, column: str = "max", ax=None):
     finite = data[np.isfinite(data)]
     signed = len(finite) and finite.min() < 0 < finite.max()
     if signed:
-        limit = float(np.abs(finite).max())
+        limit = float(np.percentile(np.abs(finite), 99))
         image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-limit, vmax=limit)
+        clipped = f"clipped at ±{limit:.3g}, the 99th percentile of |{column}|"
     else:
-        image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis")
+        low, high = (float(np.percentile(finite, q)) for q in (1, 99)) if len(finite) else (None, None)
+        image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis", vmin=low, vmax=high)
+        clipped = "clipped at the 1st and 99th percentiles" if len(finite) else ""
     layers = grid.index.to_numpy()
     ticks = np.arange(len(layers)) if len(layers) <= 12 else np.linspace(0, len(layers) - 1, 7).round().astype(int)
     ax.set_yticks(ticks, [str(layers[t]) for t in ticks])
     ax.set_xlabel("neuron")
     ax.set_ylabel("layer")
-    ax.figure.colorbar(image, ax=ax, label=column, shrink=0.9)
+    ax.figure.colorbar(image, ax=ax, label=f"{column}\n({clipped})" if clipped else column, shrink=0.9,
+                       extend="both" if clipped else "neither")
     _tidy(ax)
     return ax
 

@@ -57,7 +57,7 @@ COLUMNS: dict[str, dict[str, str]] = {
         "key_norm": "float32, ||k_i|| (W1 row, W_up row when gated)",
         "gate_norm": "float32, ||g_i|| (W_gate row), NaN for a plain FFN",
         "value_norm": "float32, ||w_i||: the norm of what neuron i writes into the residual (Model.written_values; ||v_i|| but on post-norm or scaled FFNs)",
-        "position_act_sum": "float64, sum of m_i * p, p the position in the window (0 = its first scored token); null when the scan kept no taxonomy sums",
+        "position_act_sum": "float64, sum of m_i * p, p the position in the window (0 = its first token, which a default scan reads but does not score); null when the scan kept no taxonomy sums",
         "position_sum": "int64, sum of p over the positions (the same for every neuron); null likewise",
         "position_sq_sum": "int64, sum of p^2 (the same for every neuron); null likewise",
         "quadrant_pp": "int64, positions with gate pre-activation > 0 and up pre-activation > 0 (gated FFNs; null otherwise)",

@@ -80,8 +80,9 @@ class Trace:
 
     ``sub_updates``: one row per (layer, rank) sub-update, columns :data:`SUB_UPDATE_COLUMNS`.
     ``layers``: one row per layer, columns :data:`LAYER_COLUMNS`.
-    ``attrs``: provenance (model, fingerprint, prompt, tokens, position, convention, kvmem version);
-    both frames carry a copy in ``frame.attrs``.
+    ``attrs``: provenance (model, fingerprint, prompt, ``tokens`` and ``token_ids`` as the model read them,
+    BOS included where ``bos``; ``position`` indexes them; convention, kvmem version); both frames carry a
+    copy in ``frame.attrs``.
     """
 
     sub_updates: pd.DataFrame
@@ -121,26 +122,8 @@ class Trace:
 
 
 # ---- helpers ----
-def _prompt_ids(model: Model, prompt: str | list[int], prepend_bos: bool) -> list[int]:
-    if isinstance(prompt, str):
-        ids = model.encode(prompt)
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        ids = list(prompt)
-    else:
-        raise KvmemError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-    if prepend_bos:
-        if model.bos_token_id is None:
-            raise KvmemError("prepend_bos=True but this tokenizer has no BOS token; pass prepend_bos=False")
-        ids = [model.bos_token_id, *ids]
-    if not ids:
-        raise KvmemError("the prompt has no tokens; pass a non-empty prompt")
-    if model.n_ctx and len(ids) > model.n_ctx:
-        raise KvmemError(f"the prompt has {len(ids)} tokens, more than the model's context of {model.n_ctx}; "
-                         f"shorten it")
-    return ids
-
-
 def _resolve_position(position: int, n_tokens: int) -> int:
+    """Index into the prompt's own ``n_tokens`` tokens (negative: from the end) -> 0..n_tokens-1."""
     if isinstance(position, bool) or not isinstance(position, int):
         raise KvmemError(f"position must be an int, got {position!r}")
     if not -n_tokens <= position < n_tokens:
@@ -160,16 +143,11 @@ def project(model: Model, vectors: Tensor, *, convention: str = DEFAULT_CONVENTI
 
 
 def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Tensor], Tensor]:
-    """One forward; returns {hook name: activation at ``position`` [d]} and the real logits [vocab]."""
+    """One forward of the HF model; returns {hook name: activation at ``position`` [d]} and its own logits [vocab]."""
     import torch
 
-    hook_dict = model.bridge.hook_dict
     sites = ("post", "out", "resid_pre") if model.parallel_block else ("post", "resid_mid", "resid_post")
     names = [model.hook_name(layer, site) for layer in range(model.n_layers) for site in sites]
-    missing = [n for n in names if n not in hook_dict]
-    if missing:
-        raise KvmemError(f"this model's bridge has no hook {missing[0]}; trace needs {', '.join(sites)} in every "
-                         f"layer")
     tokens = torch.tensor([ids], device=model.device)  # [batch=1, pos]
     at = (torch.tensor([0]), torch.tensor([position]))
     captured = capture(model, tokens, names, positions=at, stop_early=False, logits_at=at)
@@ -178,11 +156,13 @@ def _capture(model: Model, ids: list[int], position: int) -> tuple[dict[str, Ten
 
 
 def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int | None = 10,
-          convention: str = DEFAULT_CONVENTION, n_tokens: int = 3, prepend_bos: bool = False) -> Trace:
+          convention: str = DEFAULT_CONVENTION, n_tokens: int = 3, prepend_bos: bool | None = None) -> Trace:
     """Which memories build the prediction at ``position``, layer by layer.
 
-    ``prompt``: text (encoded without special tokens) or token ids. ``position``: index into the
-    prompt's tokens, negative from the end. ``top``: sub-updates kept per layer, by |m_i|·‖w_i‖
+    ``prompt``: text (encoded without special tokens) or token ids, read after the model's BOS token as
+    a scan reads every window (:meth:`kvmem.models.Model.prompt_ids`; ``prepend_bos=False`` reads the
+    prompt alone). ``position``: index into the prompt's own tokens (BOS not counted), negative from
+    the end. ``top``: sub-updates kept per layer, by |m_i|·‖w_i‖
     (``None`` keeps all d_ff). ``convention``: how values
     are projected (:data:`kvmem.conventions.CONVENTIONS`). ``n_tokens``: tokens listed per value (0 skips the
     vocabulary projection, which is the slow part when ``top=None``).
@@ -203,8 +183,9 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
         raise KvmemError(f"top must be a positive int or None (all {model.d_ff} neurons), got {top!r}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise KvmemError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
-    ids = _prompt_ids(model, prompt, prepend_bos)
-    pos = _resolve_position(position, len(ids))
+    ids = model.prompt_ids(prompt, prepend_bos=prepend_bos)
+    offset = int(prepend_bos is not False and model.bos_token_id is not None)  # BOS read first
+    pos = offset + _resolve_position(position, len(ids) - offset)
     captured, final_logits = _capture(model, ids, pos)
     final_token = int(final_logits.argmax())
     k = model.d_ff if top is None else min(top, model.d_ff)
@@ -262,7 +243,7 @@ def trace(model: Model, prompt: str | list[int], *, position: int = -1, top: int
         "logit_lens": "full final norm, then W_U and b_U (maps to the logits folded in), then any soft-cap",
         "residual_before": ("hook_resid_pre (parallel block: attention and FFN read the same residual)"
                             if model.parallel_block else "hook_resid_mid"),
-        "values": "written values (Model.written_values)", "top": top, "prepend_bos": prepend_bos,
+        "values": "written values (Model.written_values)", "top": top, "bos": offset == 1,
         "dtype": str(model.dtype).removeprefix("torch."), "kvmem_version": kvmem.__version__,
     }
     sub_updates = pd.DataFrame(rows)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["unbridged", "WRAPPED"]
+__all__ = ["unbridged", "separate_tree", "WRAPPED"]
 
 WRAPPED = "_original_component"  # where a TransformerLens bridge component keeps the HF module it wraps
 
@@ -32,13 +32,28 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def unbridged(hf_model: nn.Module, attention: str | None) -> nn.Module:
+def separate_tree(hf_model: nn.Module) -> nn.Module:
+    """A module tree of its own over ``hf_model``'s parameter and buffer tensors, for a TransformerLens
+    bridge to boot on (``Model.bridge``).
+
+    Booting a bridge replaces modules of the tree it is given with its own components, registers hooks
+    and forces eager attention in that tree's configuration. On this tree none of that reaches
+    ``hf_model``: every module is a shallow copy with its own child list, hook registries, parameter
+    and buffer dicts and configuration (a copy). The tensors themselves are shared, nothing is copied,
+    so a weight edited in place shows in both.
+    """
+    return unbridged(hf_model, None, own_tensor_dicts=True)
+
+
+def unbridged(hf_model: nn.Module, attention: str | None, *, own_tensor_dicts: bool = False) -> nn.Module:
     """A view of ``hf_model`` without the bridge's components, sharing every parameter and buffer.
 
     Each module of the view is a shallow copy of an HF module (its parameters and buffers are the
     same tensors, so a device move or a weight edit of the model shows in the view) with its own
     child list and hook registries. Its configuration is a copy whose attention implementation is
-    ``attention`` (None: left as the model's config has it).
+    ``attention`` (None: left as the model's config has it). ``own_tensor_dicts``: give each module its
+    own parameter and buffer dicts (holding the same tensors), so that a module registered or replaced
+    in the view is not registered in the model.
     """
     from transformers import PretrainedConfig
 
@@ -64,6 +79,10 @@ def unbridged(hf_model: nn.Module, attention: str | None) -> nn.Module:
         for name in _HOOK_DICTS:
             if name in state:
                 state[name] = OrderedDict()
+        if own_tensor_dicts:
+            for name in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+                if name in state:
+                    state[name] = copy.copy(state[name])
         for name, value in list(state.items()):
             if id(value) in configs:
                 state[name] = configs[id(value)]

@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 
 import kvmem
+from kvmem.capture import capture
 from kvmem.intervention import greedy_continuation, intervene
 from kvmem.tracing import project
 
@@ -107,15 +108,10 @@ sentences = [
 layers = sorted(set(chosen.layer))
 names = {model.hook_name(layer, "post"): layer for layer in layers}
 magnitudes = {layer: [] for layer in layers}
-
-def record(name):
-    def hook(m, hook):  # m [batch, pos, d_ff]
-        magnitudes[names[name]].append(m[0].abs().flatten())
-    return hook
-
-with torch.no_grad(), model.bridge.hooks(fwd_hooks=[(n, record(n)) for n in names]):
-    for text in sentences:
-        model.bridge(torch.tensor([model.encode(text)]))
+for text in sentences:  # kvmem.capture: plain torch hooks on the HF down projections, removed afterwards
+    captured = capture(model, torch.tensor([model.prompt_ids(text)]), list(names))
+    for name, m in captured.items():  # m [batch, pos, d_ff]
+        magnitudes[names[name]].append(m[0, 1:].abs().flatten())  # BOS left out
 
 quantiles = pd.DataFrame(
     {layer: {q: float(torch.cat(ms).quantile(q)) for q in (0.5, 0.9, 0.99, 0.999)} | {"max": float(torch.cat(ms).max())}
@@ -141,7 +137,7 @@ def edits_for(scale):
 
 def next_token(prompt, edits):
     with torch.no_grad(), intervene(model, edits):
-        probs = model.bridge(torch.tensor([model.encode(prompt)]))[0, -1].softmax(-1)  # [vocab]
+        probs = model.hf_model(torch.tensor([model.prompt_ids(prompt)])).logits[0, -1].softmax(-1)  # [vocab]
     top = [model.token_str(i) for i in probs.topk(4).indices.tolist()]
     return float(probs[target_ids].sum()), top
 
@@ -176,8 +172,8 @@ md("""
 
 Greedy decoding with half the coefficient: the edit acts at every position, and at the full value the
 text collapses into repeating the concept (the curve above is already near saturation there).
-`greedy_continuation` decodes without the KV cache: with transformer-lens 4.3 on transformers 5.x the
-bridge leaves the HF cache empty, and cached decoding would be wrong.
+`greedy_continuation` is the HF model's own `generate` (greedy, with its KV cache); the edit is a forward
+pre-hook on each edited down projection, removed when the block ends.
 """)
 
 code("""

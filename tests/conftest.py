@@ -21,6 +21,7 @@ import torch  # noqa: E402
 # fixtures of the experiment tests (tests/test_experiments*.py)
 from experiment_fixtures import always_on, atlas, context_free, corpus_file  # noqa: F401
 from explain_fixtures import explain_atlas, explain_atlas_source, tiny_chat_dir  # noqa: F401
+from explorer_fixtures import explorer_atlas, explorer_server  # noqa: F401
 
 import kvmem
 from kvmem.builtin import gpt2_random_dir, gpt2_tokenizer_dir

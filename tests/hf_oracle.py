@@ -50,11 +50,12 @@ def windows(model, docs: list[str], *, window: int, bos: bool = True) -> list[Wi
     return out
 
 
-def positions(model, docs: list[str], *, window: int, bos: bool = True):
-    """-> (codes [T] int64 ``doc << 32 | pos`` in reading order, {layer: m [T, d_ff]})."""
+def positions(model, docs: list[str], *, window: int, bos: bool = True, skip: int = 1):
+    """-> (codes [T] int64 ``doc << 32 | pos`` in reading order, {layer: m [T, d_ff]}) of the scored positions:
+    every window's tokens but its first ``skip`` (a scan's default skips the first token of each window)."""
     read = windows(model, docs, window=window, bos=bos)
-    codes = np.array([(w.doc << 32) | (w.start + j) for w in read for j in range(len(w.ids))], np.int64)
-    return codes, {layer: np.concatenate([w.coefficients[layer] for w in read]) for layer in range(model.n_layers)}
+    codes = np.array([(w.doc << 32) | (w.start + j) for w in read for j in range(skip, len(w.ids))], np.int64)
+    return codes, {layer: np.concatenate([w.coefficients[layer][skip:] for w in read]) for layer in range(model.n_layers)}
 
 
 def histogram_bins(values: np.ndarray, edges: list[float]) -> np.ndarray:

@@ -237,6 +237,16 @@ def test_row_against_the_hf_modules(row_name, tokenizer, tmp_path):
     m = flat["m"]  # [pos, d_ff]
     assert m.shape == (n, D_FF)
     torch.testing.assert_close(got[0], m, atol=1e-5, rtol=1e-5)
+    # every block site kvmem.capture reads, against the HF module computing it (the model left hook-free)
+    oracle = {"post": "m", "in": "ffn_in", "out": "ffn_out", "resid_pre": "block_in", "resid_post": "block_out",
+              "resid_mid": None if row.parallel else "resid"}
+    names = {site: model.hook_name(layer, site) for site, key in oracle.items() if key}
+    assert model.has_site(layer, "resid_mid") == (not row.parallel)
+    read = capture(model, ids, list(names.values()), stop_early=False)
+    for site, name in names.items():
+        assert torch.equal(read[name][0], flat[oracle[site]].float()), site
+    assert sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks) + len(mod._forward_pre_hooks_with_kwargs)
+               for mod in hf.modules()) == 0
 
     # (b) coefficients from the keys, and FFN(x) = Σ m_i v_i + b2
     from transformers.activations import ACT2FN
@@ -315,7 +325,7 @@ def test_row_against_the_hf_modules(row_name, tokenizer, tmp_path):
     assert model.embedding().shape == (len(tokenizer), D_MODEL)
 
     # trace reads the residual the FFN reads, and what it writes
-    result = kvmem.trace(model, ids[0].tolist(), top=3, n_tokens=0)
+    result = kvmem.trace(model, ids[0].tolist(), top=3, n_tokens=0, prepend_bos=False)
     assert result.attrs["residual_before"].startswith("hook_resid_pre" if row.parallel else "hook_resid_mid")
     heavy = result.sub_updates[result.sub_updates.layer == layer]
     neurons = torch.tensor(heavy.neuron.tolist())

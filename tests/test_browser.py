@@ -71,7 +71,7 @@ def test_report_renders_cleanly(reports, tmp_path):
     assert all(attrs["src"].startswith("data:image/png;base64,") for tag, attrs in parsed.tags if tag == "img")
     assert not [attrs for _, attrs in parsed.tags if any(name.startswith("on") for name in attrs)]
     shown = "".join(parsed.text)
-    assert f"Neuron L{layer}/{neuron}" in shown and atlas.manifest.model["fingerprint"] in shown
+    assert f"Neuron {layer}:{neuron}" in shown and atlas.manifest.model["fingerprint"] in shown
     assert re.search(r"<script>|<img src=x", shown), "the hostile corpus text should render as visible text"
     _assert_not_blank(shot)
 

@@ -3,9 +3,10 @@ the architecture table.
 
 Oracle: a second, separate HF model loaded from the same directory with the attention implementation HF
 picks for it, no bridge anywhere, torch hooks on its own down projection (input: m) and gate / up
-projections (outputs; halves of Phi-3's fused gate_up_proj, gate rows first). The view must give the
-same tensors to the bit on a right-padded batch, and agree with the bridge's ``hook_post`` /
-``hook_pre`` / ``hook_pre_linear`` to float32 rounding (the bridge runs eager attention of its own).
+projections (outputs; halves of Phi-3's fused gate_up_proj, gate rows first). The view, and
+:func:`kvmem.capture.capture` on the user's model, must give the same tensors to the bit on a
+right-padded batch, and agree with the TransformerLens bridge's ``hook_post`` / ``hook_pre`` /
+``hook_pre_linear`` to float32 rounding (the bridge runs eager attention on a module tree of its own).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvmem.builtin import gpt2_tokenizer_dir
 from kvmem.capture import capture, capture_ffn
 from kvmem.errors import KvmemError
 
+EAGER_ONLY = {"gemma2", "gpt_neo", "gptj", "opt", "phi", "gpt_neox", "gpt_neox-serial"}  # HF has no sdpa for some
 TEXTS = ["The capital of France is Paris, and the key-value reading of a feed-forward layer",
          "Short one."]
 
@@ -77,10 +79,14 @@ def test_capture_ffn_equals_a_plain_hf_model(row_name, tokenizer, tmp_path):
     ids = _batch(model)
     sites = [(layer, site) for layer in range(model.n_layers)
              for site in (("post", "pre", "pre_linear") if model.gated else ("post",))]
-    # the bridge first, so that the view is built from the module tree the bridge has wrapped
+    # the bridge first: booting it must leave the model (and so the view) as they were
     names = {key: model.hook_name(*key) for key in sites}
-    bridge = capture(model, ids, list(names.values()), stop_early=False)
-    assert model.hf_model.config._attn_implementation == "eager"  # forced by the bridge
+    bridge: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=[(name, lambda t, hook, name=name: bridge.__setitem__(name, t.clone()))
+                                                        for name in names.values()]):
+        model.bridge(ids, return_type=None)
+    assert model.hf_model.config._attn_implementation == model.attention == "sdpa" or row_name in EAGER_ONLY
+    plain = capture(model, ids, list(names.values()), stop_early=False)  # the user's model itself
     got: dict[tuple[int, str], torch.Tensor] = {}
     capture_ffn(model, ids, sites, lambda layer, site, tensor: got.__setitem__((layer, site), tensor.clone()))
     assert model.unbridged.config._attn_implementation == model.attention
@@ -90,6 +96,7 @@ def test_capture_ffn_equals_a_plain_hf_model(row_name, tokenizer, tmp_path):
     for key in sites:
         assert got[key].shape == (*ids.shape, model.d_ff), key
         assert torch.equal(got[key], want[key].reshape(got[key].shape)), key  # OPT flattens tokens inside
+        assert torch.equal(plain[names[key]], got[key]), key
 
     # the bridge (its own eager attention) agrees to float32 rounding
     for key, name in names.items():
@@ -103,9 +110,10 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
     assert "bridge" not in vars(model)  # built on first use only
     view = model.unbridged
     assert model.attention == "sdpa" and view.config._attn_implementation == "sdpa"
-    assert model.bridge is not None  # booting it now wraps hf_model's modules and forces eager there, not in the view
-    assert model.hf_model.config._attn_implementation == "eager"
+    assert model.bridge is not None  # booted on a module tree of its own: the model and the view keep sdpa
+    assert model.hf_model.config._attn_implementation == "sdpa"
     assert view.config._attn_implementation == "sdpa"
+    assert not [type(m) for m in model.hf_model.modules() if type(m).__module__.startswith("transformer_lens")]
     assert not [type(m) for m in view.modules() if type(m).__module__.startswith("transformer_lens")]
     shared = {p.data_ptr() for p in model.hf_model.parameters()}
     assert all(p.data_ptr() in shared for p in view.parameters())
@@ -135,9 +143,9 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
         capture_ffn(model, _batch(model), [(0, "post")], fail)
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in view.modules()) == 0
 
-    # a view built after the bridge booted: HF's modules again, and HF's attention, not the bridge's eager
+    # a view built after the bridge booted: HF's modules, and HF's attention, not the bridge's eager
     booted = kvmem.load_model(tmp_path, device="cpu")
-    assert booted.bridge is not None and booted.hf_model.config._attn_implementation == "eager"
+    assert booted.bridge is not None and booted.hf_model.config._attn_implementation == "sdpa"
     assert booted.unbridged.config._attn_implementation == "sdpa"
     assert not [type(m) for m in booted.unbridged.modules() if type(m).__module__.startswith("transformer_lens")]
 

@@ -262,13 +262,13 @@ def test_the_command_process_delivers_all_its_output_and_status(whole, tmp_path,
         return subprocess.run([sys.executable, "-m", "kvmem", *args], capture_output=True, text=True, env=env,
                               timeout=300)
 
-    for args in (["info", str(whole)], ["neuron", "--atlas", str(whole), "1", "3"]):
+    for args in (["info", "--atlas", str(whole)], ["neuron", "--atlas", str(whole), "1:3"]):
         assert main(list(args)) == 0
         expected = capsys.readouterr().out
         done = command(*args)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout == expected and len(expected) > 200
-    missing = command("info", str(tmp_path / "no-atlas"))
+    missing = command("info", "--atlas", str(tmp_path / "no-atlas"))
     assert missing.returncode == 2 and missing.stderr.startswith("kvmem: error: ") and not missing.stdout
 
 
@@ -282,7 +282,7 @@ def test_output_cut_short_by_its_reader_ends_quietly(whole, buffered):
     env.pop("PYTHONUNBUFFERED", None)
     if not buffered:
         env["PYTHONUNBUFFERED"] = "1"
-    process = subprocess.Popen([sys.executable, "-m", "kvmem", "info", str(whole)], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "kvmem", "info", "--atlas", str(whole)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, env=env)
     process.stdout.close()  # the reader leaves before the first line
     stderr = process.stderr.read().decode()

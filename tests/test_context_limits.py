@@ -3,7 +3,9 @@ window the model read, never across a window boundary. Windows here are longer t
 (24 and 40 tokens against 17), so the limits themselves are reached, not only the window's edges.
 
 Oracle: plain HF forwards of [BOS] + window with a pre-hook on the down projection (tests/hf_oracle.py),
-windows cut by hand from the tokenizer's ids, and the context text decoded by the tokenizer.
+windows cut by hand from the tokenizer's ids, and the context text decoded by the tokenizer. A window's
+first token is read but not scored (the scan's default), so a context starts at its second token at the
+earliest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hf_oracle import windows
 import kvmem
 
 BEFORE, AFTER = 12, 4  # the documented context (README: 12 tokens before, 4 after)
+SKIP = 1  # tokens of each window read, not scored
 DOCS = [topics["assert"][:500], topics["pass"][:300], topics["del"][:420], "A short document."]
 
 
@@ -24,7 +27,7 @@ DOCS = [topics["assert"][:500], topics["pass"][:300], topics["del"][:420], "A sh
 def scanned(request, gpt2_model, tmp_path_factory):
     window = request.param
     read = windows(gpt2_model, DOCS, window=window)
-    tokens = sum(len(w.ids) for w in read)
+    tokens = sum(len(w.ids) - SKIP for w in read)
     # every position is a top and a bottom trigger of every neuron, and in the random sample
     atlas = kvmem.scan(gpt2_model, DOCS, out=tmp_path_factory.mktemp("ctx") / "a", window=window, top_k=tokens,
                        layers=[1], random_samples=tokens, bin_samples=0, top_n=2, key_projections=False,
@@ -36,7 +39,7 @@ def expected_context(read, window: int, doc: int, pos: int, neuron: int, layer: 
     """(first context position, token ids, coefficients) of (doc, pos), from the oracle's windows."""
     w = next(w for w in read if w.doc == doc and w.start == pos - pos % window)
     at = pos - w.start
-    c0, c1 = max(0, at - BEFORE), min(len(w.ids), at + AFTER + 1)
+    c0, c1 = max(SKIP, at - BEFORE), min(len(w.ids), at + AFTER + 1)
     return w.start + c0, w.ids[c0:c1], w.coefficients[layer][c0:c1, neuron], at - c0
 
 
@@ -54,10 +57,10 @@ def check_rows(gpt2_model, read, window, frame, neuron_of) -> dict[str, int]:
         at = row.pos % window
         length = next(len(w.ids) for w in read if w.doc == row.doc and w.start == row.pos - at)
         seen["full"] += len(ids) == BEFORE + 1 + AFTER
-        seen["cut_before_at_window_start"] += at < BEFORE
+        seen["cut_before_at_window_start"] += at - SKIP < BEFORE
         seen["cut_after_at_window_end"] += at > length - 1 - AFTER
         seen["later_window"] += row.pos >= window
-        seen["first_of_window"] += at == 0
+        seen["first_of_window"] += at == SKIP  # the first scored token
         seen["last_of_window"] += at == length - 1
     return seen
 

@@ -29,7 +29,8 @@ def expected_text(model, doc: int, pos: int) -> dict:
     encoded = model.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     start = pos - pos % WINDOW  # the window the model read
-    c0, c1 = max(start, pos - BEFORE), min(start + WINDOW, len(ids), pos + AFTER + 1)
+    # the window's first token is read but not scored (the default), so a context starts after it
+    c0, c1 = max(start + 1, pos - BEFORE), min(start + WINDOW, len(ids), pos + AFTER + 1)
     pieces, cursor = [], offsets[c0][0]  # whitespace before a token belongs to it
     for j in range(c0, c1):
         end = max(offsets[j][1], cursor)

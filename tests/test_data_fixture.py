@@ -39,7 +39,7 @@ def test_fixture_reads_as_corpus():
 
 def test_fixture_scans(gpt2_model, tmp_path):
     atlas = kvmem.scan(gpt2_model, FIXTURE, out=tmp_path / "a", max_tokens=400, top_k=3, window=32, top_n=3,
-                       context_activations=False, progress=False)
+                       context_activations=False, progress=False, skip_first=0)  # every token read is scored
     assert atlas.manifest.tokens == 400 and atlas.manifest.corpus["spec"].endswith("pydoc-sample.jsonl")
 
 

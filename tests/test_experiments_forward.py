@@ -153,7 +153,7 @@ def test_layer_vs_memories_reads_value_tops_from_the_atlas(atlas, gpt2_model):
     assert with_atlas.attrs["settings"]["value_tops_from"] == "atlas values table"
     assert with_atlas.attrs["settings"]["window"] == 32
     without = E.layer_vs_memories(gpt2_model, atlas.manifest.corpus["spec"], positions=25, window=32,
-                                  max_tokens=atlas.manifest.tokens, unit="paragraph")
+                                  max_tokens=atlas.manifest.tokenization["max_tokens"], unit="paragraph")
     cols = ["ffn_matches_active", "ffn_matches_top10", "after_is_final", "before_is_final"]
     pd.testing.assert_frame_equal(with_atlas[cols], without[cols])
 

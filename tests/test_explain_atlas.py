@@ -73,7 +73,7 @@ def test_cli_explain_score_and_neuron_report(explain_atlas, capsys):
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "2 explanation(s) by tokens" in out and re.search(r"detection: mean [0-9.]+ over 2 side\(s\)", out)
-    assert main(["neuron", "--atlas", path, "0", "1"]) == 0
+    assert main(["neuron", "--atlas", path, "0:1"]) == 0
     out = capsys.readouterr().out
     row = explain_atlas.explanations(0, 1).iloc[0]
     assert row.text in out and f"detection {row.detection:.2f} [{row.detection_low:.2f}, {row.detection_high:.2f}]" in out

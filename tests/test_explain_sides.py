@@ -151,7 +151,7 @@ def test_tidy_view_and_neuron_population(explain_atlas, capsys):
     assert (row.score, row.p, row.n, row.baseline) == (source.detection, source.detection_p, source.detection_n,
                                                        source.detection_baseline)
     assert set(tidy[tidy.scorer == "output"].aspect) == {"output"}
-    assert main(["neuron", "--atlas", str(explain_atlas.path), "0", "16"]) == 0
+    assert main(["neuron", "--atlas", str(explain_atlas.path), "0:16"]) == 0
     out = capsys.readouterr().out
     assert f"random-init layer population ({len(wide)} sides)" in out and "this score beats" in out
     assert f"random-init {source.detection_random_init:.2f}" not in out  # never the row's own random-init number

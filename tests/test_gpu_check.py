@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py stays runnable where no GPU is lent: its dry run (the CPU standing in for the
-GPU) runs every step; each agreement criterion fails on tables that break it alone; rows are on disk
-as soon as their step ends."""
+GPU) runs every step; each agreement criterion (benchmarks/gpu_criteria.py) fails on tables that break
+it alone, ties are judged as sets and undecidable ones by value; rows are on disk as soon as measured."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_check  # noqa: E402  (a script, found on the benchmarks path)
+import gpu_criteria  # noqa: E402
 
-STEPS = ["agreement", "bf16", "per-document", "two runs", "resume after SIGKILL", "torchrun", "throughput"]
+STEPS = ["models", "throughput", "agreement", "agreement", "bf16", "per-document", "two runs", "resume after SIGKILL",
+         "torchrun"]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -33,14 +35,17 @@ def test_dry_run_on_cpu_runs_every_step(tmp_path):
     done = run_script("--device", "cpu", "--out", str(tmp_path / "check"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "check" / "rows.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == ["agreement", *STEPS]  # two agreement rows: GPT-2 and the gated Llama
+    assert [r["step"] for r in rows] == STEPS  # two agreement rows: GPT-2 and the gated Llama
     judged = [r for r in rows if r["step"] != "throughput"]
     assert all(r["result"] == "ok" for r in judged), [r for r in judged if r["result"] != "ok"]
-    assert "GPT-2 small" in rows[0]["details"] and "tiny Llama (gated)" in rows[1]["details"]
-    for criterion in gpu_check.AGREEMENT:
-        assert f"{criterion}:" in rows[0]["details"] and f"{criterion}:" in rows[3]["details"]
-    assert "SIGKILL after the checkpoint at" in rows[5]["details"] and "byte-identical" in rows[5]["details"]
-    assert "tok/s" in rows[7]["details"]
+    assert "GPT-2 small" in rows[2]["details"] and "tiny Llama (gated)" in rows[3]["details"]
+    for criterion in gpu_criteria.AGREEMENT:
+        assert f"{criterion}:" in rows[2]["details"] and f"{criterion}:" in rows[5]["details"]
+    # the stand-in's bottom triggers tie at GELU's floor as GPT-2 small's do: judged by value, not position
+    bottom = rows[2]["details"].split("bottom ")[1].split("decidable")[0]
+    assert float(bottom.split("(")[1].rstrip("% ")) < 50, rows[2]["details"]
+    assert "SIGKILL after the checkpoint at" in rows[7]["details"] and "byte-identical" in rows[7]["details"]
+    assert "tok/s" in rows[1]["details"]
     table = (tmp_path / "check" / "table.md").read_text().splitlines()
     assert len(table) == 2 + len(rows)
 
@@ -65,17 +70,19 @@ def copy(tables: dict) -> dict:
 
 
 def failing(cpu: dict, gpu: dict) -> list[str]:
-    criteria = gpu_check.compare(cpu, gpu)
-    assert [c.name for c in criteria] == list(gpu_check.AGREEMENT)
+    criteria = gpu_criteria.compare(cpu, gpu)
+    assert [c.name for c in criteria] == list(gpu_criteria.AGREEMENT)
     return [c.name for c in criteria if not c.ok]
 
 
 def tie_free_trigger(tables: dict) -> int:
-    """Index (in the triggers table) of a rank-0 'top' trigger far from its neighbour in rank."""
+    """Index (in the triggers table) of a rank-0 'top' trigger alone in its tie group, inside its list."""
     t = tables["triggers"]
-    top = t[t.kind.isin(("top", "bottom"))].sort_values(["layer", "neuron", "kind", "rank"])
-    free = gpu_check._tie_free(top.reset_index(drop=True), ["layer", "neuron", "kind"], "activation")
-    rows = top[free.to_numpy() & (top["rank"] == 0).to_numpy() & (top.kind == "top").to_numpy()]
+    key = ["layer", "neuron", "kind"]
+    top = t[t.kind.isin(("top", "bottom"))].sort_values([*key, "rank"])
+    groups = gpu_criteria.tie_groups(top, key)
+    alone = groups.group.map(groups.group.value_counts()) == 1
+    rows = top[alone & ~groups.undecidable & (top["rank"] == 0) & (top.kind == "top")]
     return int(rows.index[0])
 
 
@@ -120,11 +127,11 @@ def test_each_agreement_criterion_fails_alone(atlas_tables):
     values.loc[target, "token_id"] = (values.loc[target, "token_id"] + 1) % 50257
     cases["value top tokens"] = gpu
 
-    assert set(cases) == set(gpu_check.AGREEMENT)
+    assert set(cases) == set(gpu_criteria.AGREEMENT)
     for name, gpu in cases.items():
         assert failing(atlas_tables, gpu) == [name], name
-        assert gpu_check.judged(gpu_check.compare(atlas_tables, gpu))[0] == "FAIL"
-    assert gpu_check.judged(gpu_check.compare(atlas_tables, atlas_tables))[0] == "ok"
+        assert gpu_criteria.judged(gpu_criteria.compare(atlas_tables, gpu))[0] == "FAIL"
+    assert gpu_criteria.judged(gpu_criteria.compare(atlas_tables, atlas_tables))[0] == "ok"
 
 
 def test_near_ties_are_not_judged_but_must_leave_enough(atlas_tables):
@@ -145,12 +152,34 @@ def test_near_ties_are_not_judged_but_must_leave_enough(atlas_tables):
     assert "trigger positions" in failing(flat, copy(flat))
 
 
+def test_ties_are_compared_as_sets_and_undecidable_ones_by_value(atlas_tables):
+    """Inside a list, a tie group's positions must be the same set (any order); the group holding the last
+    kept rank is judged by its activations only, which must lie at the tied value."""
+    t = atlas_tables["triggers"]
+    tops = t[t.kind == "top"].sort_values(["layer", "neuron", "rank"])
+    first, second, third = tops.index[:3]
+    assert len(set(t.loc[[first, second, third], "neuron"])) == 1
+    cpu = copy(atlas_tables)
+    cpu["triggers"].loc[[first, second], "activation"] = cpu["triggers"].loc[first, "activation"]  # ranks 0, 1 tie
+    gpu = copy(cpu)
+    gpu["triggers"].loc[second, ["doc", "pos"]] = gpu["triggers"].loc[third, ["doc", "pos"]].to_numpy()  # not in the tie
+    assert "trigger positions" in failing(cpu, gpu)
+
+    last = tops[(tops.layer == tops.layer.iloc[0]) & (tops.neuron == tops.neuron.iloc[0])].index[-1]
+    moved = copy(atlas_tables)  # the last rank: another position at the same value is not judged
+    moved["triggers"].loc[last, "pos"] += 1000
+    assert "trigger positions" not in failing(atlas_tables, moved)
+    off = copy(atlas_tables)  # but a value away from the tie is
+    off["triggers"].loc[last, "activation"] *= 1 + 1e-2
+    assert "trigger positions" in failing(atlas_tables, off)
+
+
 def test_bf16_criteria_fail_on_a_wrong_std(atlas_tables):
-    assert all(c.ok for c in gpu_check.compare_bf16(atlas_tables, copy(atlas_tables)))
+    assert all(c.ok for c in gpu_criteria.compare_bf16(atlas_tables, copy(atlas_tables)))
     gpu = copy(atlas_tables)
     gpu["neurons"]["std"] *= 1.2  # 20% off everywhere (tolerance 5%)
-    names = [c.name for c in gpu_check.compare_bf16(atlas_tables, gpu) if not c.ok]
-    assert names == [f"std within {gpu_check.BF16_RTOL:g}"]
+    names = [c.name for c in gpu_criteria.compare_bf16(atlas_tables, gpu) if not c.ok]
+    assert names == [f"std within {gpu_criteria.BF16_RTOL:g}"]
 
 
 def test_rows_are_on_disk_when_their_step_ends(tmp_path):

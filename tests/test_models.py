@@ -159,8 +159,9 @@ def test_hub_unreachable_is_one_line_from_cli():
                             env=env, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "kvmem: error: could not reach the model hub to load 'gpt2-medium'; pass a local HF directory instead, "
-        "or use the offline model 'smollm2-135m'"]
+        "kvmem: error: model 'gpt2-medium' is not a local directory, a built-in model or in the local HF cache, and "
+        "the hub is switched off (HF_HUB_OFFLINE); pass a local HF directory or a built-in model "
+        "(smollm2-135m-instruct-q4_1, gpt2-random)"]
 
 
 def test_missing_offline_package(monkeypatch):

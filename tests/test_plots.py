@@ -108,6 +108,28 @@ def test_layer_neuron_overview(neurons):
         plots.plot_layer_neuron_overview(neurons.assign(token="x"), column="token")
 
 
+def test_plots_stay_readable_with_a_massive_activation(neurons):
+    """One neuron at 2,864 (a massive activation, Sun et al. 2024) beside maxima of a few units must not
+    flatten the layer plots: the summary's coefficient axis is symlog, the overview's colours are clipped
+    at the 99th percentile, and both say so on the axis."""
+    heavy = neurons.copy()
+    heavy.loc[5, "max"] = 2864.0
+    heavy.loc[7, "mean"] = 900.0
+    figure = plots.plot_layer_summary(heavy)
+    figure.canvas.draw()
+    panel = figure.axes[1]
+    assert panel.get_yscale() == "symlog" and "symlog" in panel.get_ylabel()
+    ax = plots.plot_layer_neuron_overview(heavy, column="max")
+    _drawn(ax)
+    low, high = ax.get_images()[0].get_clim()
+    typical = heavy["max"].drop(index=5)
+    assert high < 2864.0 / 100 and high >= np.percentile(typical, 95)  # the outlier no longer sets the scale
+    assert "99th percentile" in ax.figure.axes[-1].get_ylabel()  # the colour bar states the clipping
+    signed = plots.plot_layer_neuron_overview(heavy, column="mean")
+    low, high = signed.get_images()[0].get_clim()
+    assert low == -high and high < 900.0 / 100
+
+
 def test_activation_functions_match_the_seeds():
     ax = plots.plot_activation_functions()
     _drawn(ax)

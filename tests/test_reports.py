@@ -183,7 +183,7 @@ def test_html_is_self_contained_and_escaped(atlas, best, tmp_path):
         assert "http://" not in text.replace("http://x.invalid", "") and "https://" not in text
         assert sum(tag == "img" for tag, _ in parsed.tags) == 2 + len(atlas.conventions)
         shown = "".join(parsed.text)
-        for needle in (atlas.manifest.model["fingerprint"], "final_norm", "raw", f"L{layer}/{neuron}",
+        for needle in (atlas.manifest.model["fingerprint"], "final_norm", "raw", f"{layer}:{neuron}",
                        f"{atlas.manifest.tokens:,}", atlas.manifest.kvmem_version, "Key projection",
                        "Does the value promote"):
             assert needle in shown
@@ -331,7 +331,7 @@ def test_a_new_format_is_one_registry_entry(atlas, best, tmp_path, monkeypatch, 
     action = next(a for a in _report_parser()._actions if a.dest == "format")
     assert "txt" in action.choices and "one line per neuron" in action.help
     (layer, neuron), out = best[0], tmp_path / "txt"
-    assert main(["report", "--atlas", str(atlas.path), str(layer), str(neuron), "--format", "txt", "--out", str(out),
+    assert main(["report", "--atlas", str(atlas.path), "--neurons", f"{layer}:{neuron}", "--format", "txt", "--out", str(out),
                  "--no-progress"]) == 0
     assert (out / "index.txt").read_text() == f"L{layer}_N{neuron}.txt\n"
     assert (out / f"L{layer}_N{neuron}.txt").read_text().startswith(f"{layer} {neuron} ")
@@ -340,20 +340,22 @@ def test_a_new_format_is_one_registry_entry(atlas, best, tmp_path, monkeypatch, 
 
 def test_cli(atlas, best, tmp_path, capsys):
     (layer, neuron), out = best[0], tmp_path / "cli"
-    assert main(["report", "--atlas", str(atlas.path), str(layer), str(neuron), "1", "2", "--out", str(out),
+    assert main(["report", "--atlas", str(atlas.path), "--neurons", f"{layer}:{neuron},1:2", "--out", str(out),
                  "--no-progress"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([f"L{layer}_N{neuron}.html", "L1_N2.html", "index.html"])
-    assert main(["report", "--atlas", str(atlas.path), "0", "1", "--out", str(out)]) == 2
+    assert main(["report", "--atlas", str(atlas.path), "--neurons", "0:1", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main(["report", "--atlas", str(atlas.path), "--layer", "1", "--top", "3", "--by", "frac_positive",
+    assert main(["report", "--atlas", str(atlas.path), "--layers", "1", "--top", "3", "--by", "frac_positive",
                  "--format", "md", "--out", str(out), "--overwrite"]) == 0
     assert "reports: 100%" in capsys.readouterr().err  # the tqdm bar
     frame = atlas.neurons[atlas.neurons.layer == 1].sort_values(["frac_positive", "neuron"], ascending=[False, True])
     expected = [f"L1_N{n}.md" for n in frame.neuron.head(3)]
     assert sorted(p.name for p in out.glob("*.md")) == sorted([*expected, "index.md"])
-    for argv, message in [(["0", "999"], _atlas_error(atlas, 0, 999)), (["7", "0"], _atlas_error(atlas, 7, 0)),
-                          (["0"], "neurons come in L N pairs"), (["0", "1", "--layer", "0", "--top", "2"], "give either"),
-                          (["--layer", "0"], "--layer and --top go together"), ([], "nothing to report")]:
+    for argv, message in [(["--neurons", "0:999"], _atlas_error(atlas, 0, 999)),
+                          (["--neurons", "7:0"], _atlas_error(atlas, 7, 0)),
+                          (["--neurons", "0"], "--neurons expects neuron ids LAYER:NEURON"),
+                          (["--neurons", "0:1", "--layers", "0", "--top", "2"], "give either"),
+                          (["--layers", "0"], "--layers and --top go together"), ([], "nothing to report")]:
         assert main(["report", "--atlas", str(atlas.path), *argv, "--out", str(tmp_path / "x")]) == 2
         assert capsys.readouterr().err.startswith(f"kvmem: error: {message}")
     assert not (tmp_path / "x").exists()

@@ -18,8 +18,9 @@ WINDOW = 8
 K = 4
 
 
-def brute_force(model, docs, *, window=WINDOW, bos=True):
-    """Coefficients of every scored position with plain HF forward pre-hooks on W2 / down_proj.
+def brute_force(model, docs, *, window=WINDOW, bos=True, skip=1):
+    """Coefficients of every scored position (each window's tokens but its first ``skip``, a scan's default
+    rule) with plain HF forward pre-hooks on W2 / down_proj.
 
     -> (codes [T] as (doc, pos) tuples, {layer: m [T, d_ff]})
     """
@@ -42,9 +43,9 @@ def brute_force(model, docs, *, window=WINDOW, bos=True):
                     inputs = ([model.bos_token_id] if bos else []) + chunk
                     model.hf_model(torch.tensor([inputs]))
                     offset = 1 if bos else 0
-                    rows.extend((doc, start + j) for j in range(len(chunk)))
+                    rows.extend((doc, start + j) for j in range(skip, len(chunk)))
                     for layer in acts:
-                        acts[layer].append(captured[layer][0, offset:])
+                        acts[layer].append(captured[layer][0, offset + skip:])
     finally:
         for handle in handles:
             handle.remove()
@@ -196,7 +197,7 @@ def test_byte_identical_and_round_trip(gpt2_model, gpt2_atlas, tmp_path):
 
 def test_queries(gpt2_model, gpt2_atlas):
     record = gpt2_atlas.neuron(1, 7)
-    assert "L1/7" in repr(record) and "<mark>" in record._repr_html_()
+    assert "Neuron 1:7" in repr(record) and "<mark>" in record._repr_html_()
     top = gpt2_atlas.values(1, 7, convention="final_norm", kind="promote")
     token = top.token.iloc[0]
     found = gpt2_atlas.top_neurons(token=token, by="value", convention="final_norm", k=50)
@@ -228,7 +229,7 @@ def test_non_finite_coefficients_are_refused(gpt2_model, tmp_path, backend, bad)
         def inject(layer, m):
             if layer == 1 and batches[0] == 1:
                 m = m.clone()
-                m[0, 1, 5] = bad  # a scored position (BOS is position 0)
+                m[0, 2, 5] = bad  # a scored position (BOS is position 0, the window's first token 1)
             on_coefficients(layer, m)
         real(model, ids, layers, inject)
         batches[0] += 1
@@ -245,10 +246,16 @@ def test_non_finite_coefficients_are_refused(gpt2_model, tmp_path, backend, bad)
 
 
 def test_max_tokens_and_layers(gpt2_model, tmp_path):
-    atlas = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "a", max_tokens=100, layers=[1], top_k=2, window=32,
+    every = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "a", max_tokens=100, layers=[1], top_k=2, window=32,
+                       top_n=2, progress=False, skip_first=0)
+    assert every.manifest.tokens == 100 and every.layers == [1]
+    assert set(every.neurons.layer) == {1} and (every.neurons["count"] == 100).all()
+    # by default the first token of each window is read, not scored: pydoc's first document has more than
+    # 100 tokens, so 100 tokens read are windows of 32, 32, 32 and 4 tokens, of which 31 + 31 + 31 + 3 are scored
+    atlas = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "b", max_tokens=100, layers=[1], top_k=2, window=32,
                        top_n=2, progress=False)
-    assert atlas.manifest.tokens == 100 and atlas.layers == [1]
-    assert set(atlas.neurons.layer) == {1} and (atlas.neurons["count"] == 100).all()
+    assert atlas.manifest.tokens == 96 and (atlas.neurons["count"] == 96).all()
+    assert atlas.manifest.tokenization["skip_first"] == 1 and every.manifest.tokenization["skip_first"] == 0
 
 
 def test_scan_errors(gpt2_model, gpt2_atlas, tmp_path):
@@ -298,11 +305,11 @@ def test_cli_scan_and_queries(gpt2_dir, tmp_path, capsys):
     assert "scanned" in capsys.readouterr().out
     assert main(["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main(["info", str(out)]) == 0 and "gelu_new" in capsys.readouterr().out
-    assert main(["neuron", "--atlas", str(out), "1", "3"]) == 0
+    assert main(["info", "--atlas", str(out)]) == 0 and "gelu_new" in capsys.readouterr().out
+    assert main(["neuron", "--atlas", str(out), "1:3"]) == 0
     shown = capsys.readouterr().out
     assert "top triggers" in shown and "[[" in shown
-    assert main(["neuron", "--atlas", str(out), "1", "999"]) == 2
+    assert main(["neuron", "--atlas", str(out), "1:999"]) == 2
     assert capsys.readouterr().err.strip() == "kvmem: error: neuron 999 is out of range; layer 1 has neurons 0..255"
     assert main(["top", "--atlas", str(out), "--token", " Paris", "--by", "trigger"]) == 0
     assert main(["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(tmp_path / "z"),
@@ -311,7 +318,7 @@ def test_cli_scan_and_queries(gpt2_dir, tmp_path, capsys):
 
 
 def test_hostile_text_scans(gpt2_model, tmp_path):
-    docs = ['<script>alert(1)</script> "><img src=x onerror=alert(1)>', "rtl \u202e mark, zero\u200bwidth, lone \ud800 end"]
+    docs = ['x <script>alert(1)</script> "><img src=x onerror=alert(1)>', "rtl \u202e mark, zero\u200bwidth, lone \ud800 end"]
     atlas = kvmem.scan(gpt2_model, docs, out=tmp_path / "a", top_k=2, window=16, top_n=2, progress=False)
     contexts = set(atlas.table("triggers").context)
     assert any("<script>" in c for c in contexts) and any("\ufffd" in c for c in contexts)

@@ -151,7 +151,8 @@ def llama_atlas(llama_model, tmp_path_factory):
 
 def _hf_coefficients(model, atlas) -> dict[int, np.ndarray]:
     """Every scored coefficient [positions, d_ff] per layer, from a plain HF forward per window with a
-    forward pre-hook on down_proj, on the windows of the plan's rule (tokenized alone, BOS first)."""
+    forward pre-hook on down_proj, on the windows of the plan's rule (tokenized alone, BOS first, the first
+    ``skip_first`` tokens of a window read but not scored)."""
     plan = atlas.manifest.plan
     captured: dict[int, list] = {layer: [] for layer in atlas.layers}
     handles = [model.hf_model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(
@@ -164,8 +165,8 @@ def _hf_coefficients(model, atlas) -> dict[int, np.ndarray]:
                 window = ([plan.bos_token_id] if plan.bos_token_id is not None else []) + ids[start:start + plan.window]
                 with torch.no_grad():
                     model.hf_model(torch.tensor([window]))
-                for layer in atlas.layers:  # drop the BOS position
-                    captured[layer][-1] = captured[layer][-1][plan.offset:]
+                for layer in atlas.layers:  # drop BOS and the window's unscored first tokens (the plan's rule)
+                    captured[layer][-1] = captured[layer][-1][plan.offset + plan.skip_first:]
     finally:
         for handle in handles:
             handle.remove()

@@ -26,6 +26,7 @@ from kvmem.schema import TABLES
 from kvmem.taxonomy import build_taxonomy
 
 WINDOW = 8
+SKIP = 1  # tokens of each window read, not scored (the default)
 SETTINGS = dict(window=WINDOW, top_k=4, batch_size=3, block_documents=2, per_document=True, top_n=5,
                 conventions=("raw",), random_samples=6, bin_samples=2, sample_rate=1.0)
 
@@ -59,12 +60,13 @@ def hf_positions(model, docs: list[str]) -> dict:
                 for start in range(0, len(ids), WINDOW):
                     chunk = ids[start:start + WINDOW]
                     hf(torch.tensor([[model.bos_token_id] + chunk]))
+                    # BOS is never scored, nor the window's first token (SKIP, the scan's default)
                     for key, tensor in captured.items():
-                        parts.setdefault(key, []).append(tensor[0, 1:].float().numpy())  # BOS is never scored
-                    out["doc"] += [doc] * len(chunk)
-                    out["pos"] += list(range(start, start + len(chunk)))
-                    out["place"] += list(range(len(chunk)))
-                    out["token"] += chunk
+                        parts.setdefault(key, []).append(tensor[0, 1 + SKIP:].float().numpy())
+                    out["doc"] += [doc] * (len(chunk) - SKIP)
+                    out["pos"] += list(range(start + SKIP, start + len(chunk)))
+                    out["place"] += list(range(SKIP, len(chunk)))  # the place in the window: the first token is 0
+                    out["token"] += chunk[SKIP:]
     finally:
         for handle in handles:
             handle.remove()

@@ -1,7 +1,8 @@
 """kvmem.tracing, kvmem.intervention and ``kvmem trace`` / ``kvmem generate`` on tiny random models.
 
 Exact identities: an added delta on m_i moves the FFN output by delta * v_i; all sub-updates plus b2
-sum to the FFN output; the logit lens after the last FFN is the model's own prediction.
+sum to the FFN output; the logit lens after the last FFN is the model's own prediction. The oracle is
+the HF model itself, read with this file's own torch hooks on its modules.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def test_tiny_configs_are_tiny(gpt2, llama):
     assert (llama.n_layers, llama.d_model, llama.d_ff, llama.gated) == (2, 64, 96, True)
     for m in (gpt2, llama):
         for layer in range(m.n_layers):
-            for site in ("resid_mid", "resid_post"):
-                assert m.hook_name(layer, site) in m.bridge.hook_dict
+            assert m.has_site(layer, "resid_mid") and m.has_site(layer, "resid_post")
 
 
 # ---- helpers ----
@@ -48,34 +48,36 @@ def _ids(model, text=PROMPT):
     return torch.tensor([model.encode(text)])  # [1, pos]
 
 
-def _capture(model, ids, names):
-    """Run the bridge, return {name: activation [pos, d]} (captured after any active edits)."""
-    got = {}
-
-    def grab(name):
-        def hook(tensor, hook):
-            got[name] = tensor[0].detach().clone()
-
-        return hook
-
-    with torch.no_grad(), model.bridge.hooks(fwd_hooks=[(n, grab(n)) for n in names]):
-        logits = model.bridge(ids)
-    return got, logits[0]
+def _mlp(model, layer):
+    """The HF MLP module of ``layer`` (GPT-2 ``transformer.h.L.mlp``, Llama ``model.layers.L.mlp``)."""
+    blocks = model.hf_model.transformer.h if model.model_type == "gpt2" else model.hf_model.model.layers
+    return blocks[layer].mlp
 
 
 def _raw_linear(model, layer):
-    """The plain torch module of W2 / down_proj (inside the bridge's wrapper)."""
-    from transformers.pytorch_utils import Conv1D
+    """The HF down projection W2 (c_proj / down_proj): its input is m."""
+    mlp = _mlp(model, layer)
+    return mlp.c_proj if model.model_type == "gpt2" else mlp.down_proj
 
-    module = model._module(f"{model.spec.layers}.{layer}.{model.spec.mlp}.{model.spec.value}")
-    return next(m for m in module.modules() if type(m) in (torch.nn.Linear, Conv1D))
+
+def _capture(model, ids, layers):
+    """One plain HF forward -> ({layer: FFN output [pos, d_model]}, logits [pos, vocab]), read by this
+    file's own forward hooks on the MLP modules (after any active edits)."""
+    got = {}
+    handles = [_mlp(model, layer).register_forward_hook(
+        lambda module, args, out, layer=layer: got.__setitem__(layer, out[0].detach().clone())) for layer in layers]
+    try:
+        with torch.no_grad():
+            logits = model.hf_model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return got, logits[0]
 
 
 def _hook_count(model):
-    modules = list(model.bridge.modules()) + list(model.hf_model.modules())
-    torch_hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in modules)
-    lens_hooks = sum(len(h.fwd_hooks) for h in model.bridge.hook_dict.values())
-    return torch_hooks, lens_hooks
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_pre_hooks_with_kwargs)
+               for m in model.hf_model.modules())
 
 
 # ---- intervention ----
@@ -84,7 +86,7 @@ def test_add_moves_ffn_output_by_delta_times_value(model, positions):
     layer, edits = 1, {(1, 3): 2.5, (1, 17): -1.25}
     ids = _ids(model)
     n = ids.shape[1]
-    out = model.hook_name(layer, "out")
+    out = layer
     base, _ = _capture(model, ids, [out])
     with intervene(model, edits, positions=positions, mode="add"):
         edited, _ = _capture(model, ids, [out])
@@ -102,14 +104,22 @@ def test_modes_at_down_proj_input(model, mode, value):
     layer, neuron = 0, 5
     ids = _ids(model)
     seen = []
-    handle = _raw_linear(model, layer).register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
-    try:
-        with torch.no_grad():
-            model.bridge(ids)
-            with intervene(model, {(layer, neuron): value}, mode=mode, positions=[2]):
-                model.bridge(ids)
-    finally:
-        handle.remove()
+
+    def observe():  # what W2 / down_proj receives; registered after any edit's hook, so it sees the edit
+        return _raw_linear(model, layer).register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+
+    with torch.no_grad():
+        handle = observe()
+        try:
+            model.hf_model(ids)
+        finally:
+            handle.remove()
+        with intervene(model, {(layer, neuron): value}, mode=mode, positions=[2]):
+            handle = observe()
+            try:
+                model.hf_model(ids)
+            finally:
+                handle.remove()
     base, edited = seen[0][0], seen[1][0]  # [pos, d_ff]: the coefficients W2 / down_proj receives
     expected = {"set": torch.tensor(value), "scale": base[2, neuron] * value, "add": base[2, neuron] + value}[mode]
     torch.testing.assert_close(edited[2, neuron], expected.to(edited.dtype))
@@ -120,12 +130,13 @@ def test_modes_at_down_proj_input(model, mode, value):
 
 def test_hooks_removed_after_block_and_after_exception(model):
     before = _hook_count(model)
+    assert before == 0
     with intervene(model, {(0, 1): 2.0, (1, 2): 3.0}):
         during = _hook_count(model)
-    assert during[0] > before[0] and during[1] > before[1]
+    assert during > before
     assert _hook_count(model) == before
     with pytest.raises(RuntimeError, match="boom"), intervene(model, {(0, 1): 2.0}, positions=[0]):
-        model.bridge(_ids(model))
+        model.hf_model(_ids(model))
         raise RuntimeError("boom")
     assert _hook_count(model) == before
     with intervene(model, {}):
@@ -136,15 +147,20 @@ def test_positions_are_absolute_during_cached_generation(gpt2):
     """With and without the KV cache, position 7 (a generated token) is set once, nowhere else."""
     layer, neuron, value, target = 1, 4, 7.0, 7
     ids = _ids(gpt2, "Hello world, it is")  # 5 tokens
-    post = gpt2.hook_name(layer, "post")
     for use_cache in (True, False):
         calls: list[torch.Tensor] = []
 
-        def grab(tensor, hook, calls=calls):
-            calls.append(tensor[0, :, neuron].detach().clone())  # [pos]
+        def grab(module, args, calls=calls):
+            calls.append(args[0][0, :, neuron].detach().clone())  # [pos]
 
-        with intervene(gpt2, {(layer, neuron): value}, positions=[target]), gpt2.bridge.hooks(fwd_hooks=[(post, grab)]):
-            gpt2.bridge.generate(ids, max_new_tokens=5, do_sample=False, verbose=False, use_past_kv_cache=use_cache)
+        with intervene(gpt2, {(layer, neuron): value}, positions=[target]):
+            # registered after the edit's hook, so it sees the edited m
+            handle = _raw_linear(gpt2, layer).register_forward_pre_hook(grab)
+            try:
+                gpt2.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                       use_cache=use_cache, pad_token_id=0)
+            finally:
+                handle.remove()
         sequence = torch.cat(calls) if use_cache else calls[-1]  # coefficient of neuron per absolute position
         assert sequence.shape[0] == ids.shape[1] + 4
         assert sequence[target] == value
@@ -179,7 +195,7 @@ def test_greedy_continuation_is_argmax_decoding(llama):
         text = greedy_continuation(llama, ids, max_new_tokens=3)
         with torch.no_grad():
             for _ in range(3):
-                ids = ids + [int(llama.bridge(torch.tensor([ids]))[0, -1].argmax())]
+                ids = ids + [int(llama.hf_model(torch.tensor([[llama.bos_token_id, *ids]])).logits[0, -1].argmax())]
     assert text == llama.tokenizer.decode(ids[-3:])
 
 
@@ -207,14 +223,14 @@ def test_bridge_kv_cache_matches_full_forward(gpt2):
 def test_intervene_validation(gpt2, edits, options, message):
     with pytest.raises(KvmemError, match=message), intervene(gpt2, edits, **options):
         pass
-    assert _hook_count(gpt2)[1] == 0
+    assert _hook_count(gpt2) == 0
 
 
 # ---- tracing ----
 def test_all_sub_updates_sum_to_ffn_output(model):
-    result = trace(model, PROMPT, position=-3, top=None, n_tokens=0)
+    result = trace(model, PROMPT, position=-3, top=None, n_tokens=0, prepend_bos=False)
     ids = _ids(model)
-    names = [model.hook_name(layer, "out") for layer in range(model.n_layers)]
+    names = list(range(model.n_layers))
     got, _ = _capture(model, ids, names)
     subs = result.sub_updates
     assert len(subs) == model.n_layers * model.d_ff
@@ -232,7 +248,7 @@ def test_all_sub_updates_sum_to_ffn_output(model):
 
 def test_logit_lens_after_last_ffn_is_the_real_prediction(model):
     result = trace(model, PROMPT, top=4, convention="raw")
-    _, logits = _capture(model, _ids(model), [])
+    _, logits = _capture(model, torch.tensor([[model.bos_token_id, *model.encode(PROMPT)]]), [])
     probs = logits[-1].softmax(-1)  # [vocab]
     last = result.layers.iloc[-1]
     assert last.top_after_id == int(probs.argmax()) == result.attrs["final_token_id"]
@@ -250,7 +266,8 @@ def test_trace_frames_and_provenance(gpt2):
     for frame in (subs, layers, result):
         attrs = frame.attrs
         assert attrs["model"] == gpt2.name and attrs["fingerprint"] == gpt2.fingerprint
-        assert attrs["position"] == 2 and attrs["convention"] == "final_norm" and attrs["prompt"] == PROMPT
+        assert attrs["position"] == 3 and attrs["tokens"][3] == gpt2.token_str(gpt2.encode(PROMPT)[2])  # after BOS
+        assert attrs["convention"] == "final_norm" and attrs["prompt"] == PROMPT
         assert attrs["kvmem_version"] == kvmem.__version__
     # update tokens of a negative coefficient are the value's most suppressed tokens
     values = gpt2.values(0)
@@ -322,7 +339,7 @@ def test_switching_on_a_value_raises_its_token_on_smollm2():
     token = int(scores[neuron].argmax())
     ids = _ids(model, "The weather today is")
     with torch.no_grad():
-        base = model.bridge(ids)[0, -1].softmax(-1)[token]
+        base = model.hf_model(ids).logits[0, -1].softmax(-1)[token]
         with intervene(model, {(layer, neuron): 10.0}, positions=[-1]):
-            edited = model.bridge(ids)[0, -1].softmax(-1)[token]
+            edited = model.hf_model(ids).logits[0, -1].softmax(-1)[token]
     assert edited > base * 2

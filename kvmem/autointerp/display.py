@@ -40,6 +40,8 @@ def explanation_dicts(frame, *, population=None) -> list[dict]:
     baselines and, when ``population`` (the explanations of the whole layer) is given, the random-init population
     of the layer (``random_init_population``: n, q1, median, q3, share_below)."""
     out = []
+    if not len(frame):  # itertuples would still build a namedtuple class of every column
+        return out
     for row in frame.itertuples(index=False):
         scores = {}
         for name in SCORE_NAMES:

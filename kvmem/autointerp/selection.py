@@ -4,19 +4,7 @@ from __future__ import annotations
 
 from kvmem.errors import KvmemError
 
-__all__ = ["select_neurons", "parse_neurons"]
-
-
-def parse_neurons(text: str) -> list[tuple[int, int]]:
-    """``"3:17,5:2"`` -> [(3, 17), (5, 2)]."""
-    out = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        try:
-            layer, neuron = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise KvmemError(f"expected LAYER:NEURON pairs separated by commas (e.g. 3:17,5:2), got {part!r}") from None
-        out.append((layer, neuron))
-    return out
+__all__ = ["select_neurons"]
 
 
 def select_neurons(atlas, *, layers=None, neurons=None, all: bool = False) -> list[tuple[int, int]]:

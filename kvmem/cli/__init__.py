@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("experiment_cmd", "run a Geva et al. measurement on an atlas"),
     "trace": ("trace_cmd", "which memories build a prediction, layer by layer"),
     "generate": ("trace_cmd", "generate with memory coefficients set, beside the unchanged model"),
+    "serve": ("serve_cmd", "explore an atlas in the browser: neuron pages, search, live traces and edits"),
 }
 
 
@@ -104,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"kvmem: error: {os_error_line(error, out=getattr(args, 'out', None))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kvmem: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        notes = "".join(f"; {note}" for note in getattr(interrupt, "__notes__", ()))
+        print(f"kvmem: interrupted{notes}", file=sys.stderr)
         return 130
 
 

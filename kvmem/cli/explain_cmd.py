@@ -1,6 +1,6 @@
 """``kvmem explain`` and ``kvmem score``: explanations of neuron sides and their scores on held-out examples.
 
-    kvmem explain --atlas A [--layers L,L|--neurons L:N,...|--all] [--explainer tokens|hf:PATH|openai:URL]
+    kvmem explain --atlas A [--layers 0,5,10-12|--neurons 3:17,5:2|--all] [--explainer tokens|hf:PATH|openai:URL]
     kvmem score --atlas A [--scorers detection,fuzzing,simulation,output,intervention,embedding]
                 [--judge tokens|hf:PATH|openai:URL] [--explanations FILE] [--baseline random-init]
                 [--protocol kvmem|delphi|neuron-explainer]
@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.devices import device_help
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layers like 0,5,10, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     from kvmem.autointerp.scorers.base import PROTOCOLS
     from kvmem.autointerp.scoring import BASELINES, DEFAULT_SCORERS, MIN_QUIET
 
-    parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
-    parser.add_argument("--layers", type=_int_list, default=None, help="every neuron of these layers (e.g. 0,5,10)")
-    parser.add_argument("--neurons", default=None, metavar="L:N,...", help="these neurons (e.g. 3:17,5:2)")
+    add_atlas_option(parser)
+    add_layers_option(parser, "every neuron of these layers")
+    add_neurons_option(parser, "these neurons")
     if command == "explain":
         parser.add_argument("--all", action="store_true", help="every neuron of the atlas")
         parser.add_argument("--explainer", default="tokens", help="tokens (default, no model), hf:PATH_OR_ID or openai:URL")
@@ -70,20 +64,19 @@ def run(args: argparse.Namespace) -> int:
     from kvmem.autointerp.api import explain
     from kvmem.autointerp.explainers import BackendOptions
     from kvmem.autointerp.scoring import score
-    from kvmem.autointerp.selection import parse_neurons
 
+    layers, neurons = parse_layers(args.layers), parse_neurons(args.neurons)
     options = BackendOptions(model_name=args.model_name, api_key_env=args.api_key_env, timeout=args.timeout,
                              retries=args.retries, backoff=args.backoff, concurrency=args.concurrency, device=args.device)
-    neurons = parse_neurons(args.neurons) if args.neurons else None
     if args.command == "explain":
         sides = args.sides.split(",") if args.sides else None
-        rows = explain(args.atlas, layers=args.layers, neurons=neurons, all=args.all, explainer=args.explainer,
+        rows = explain(args.atlas, layers=layers, neurons=neurons, all=args.all, explainer=args.explainer,
                        sides=sides, seed=args.seed, overwrite=args.overwrite, options=options,
                        progress=not args.no_progress)
         print(f"{len(rows)} explanation(s) by {args.explainer} in {args.atlas}/explanations.parquet")
         return 0
     rows = score(args.atlas, scorers=args.scorers, judge=args.judge, explanations=args.explanations,
-                 explainer=args.explainer, layers=args.layers, neurons=neurons, baseline=args.baseline, seed=args.seed,
+                 explainer=args.explainer, layers=layers, neurons=neurons, baseline=args.baseline, seed=args.seed,
                  n_boot=args.n_boot, per_band=args.per_band, max_quiet=args.max_quiet, min_quiet=args.min_quiet,
                  protocol=args.protocol, embedder=args.embedder, options=options, progress=not args.no_progress)
     print(f"scored {len(rows)} explanation(s) with judge {args.judge} ({args.protocol} protocol):")

@@ -1,13 +1,13 @@
 """``kvmem export``: write an atlas's neurons in another tool's format (formats: :data:`kvmem.export.FORMATS`).
 
-    kvmem export --atlas A --format neuron-explainer --out DIR [--layers 0,5,10-12] [--neurons L:N ...] [--model M]
+    kvmem export --atlas A --format neuron-explainer --out DIR [--layers 0,5,10-12] [--neurons 3:17,5:2] [--model M]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from kvmem.cli.options import add_layers_option, parse_layers
+from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.devices import device_help
 
 
@@ -15,12 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     from kvmem.export import FORMATS
 
     formats = "; ".join(f"{name}: {fmt.description}" for name, fmt in FORMATS.items())
-    parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
+    add_atlas_option(parser)
     parser.add_argument("--format", required=True, choices=list(FORMATS), help=formats)
     parser.add_argument("--out", required=True, help="output directory (refused if it exists, unless --overwrite)")
     add_layers_option(parser, "export every neuron of these layers")
-    parser.add_argument("--neurons", type=_pair, nargs="+", default=None, metavar="L:N",
-                        help="export these neurons (with --layers: both); neither: the whole atlas")
+    add_neurons_option(parser, "export these neurons (with --layers: both; neither: the whole atlas)")
     parser.add_argument("--model", default=None,
                         help="the scanned model, for context coefficients of quantile samples "
                              "(default: load the model named in the atlas manifest)")
@@ -33,25 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        layer, neuron = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LAYER:NEURON (e.g. 3:17), got {text!r}") from None
-    return layer, neuron
-
-
 def run(args: argparse.Namespace) -> int:
     from kvmem.atlas import open_atlas
     from kvmem.export import export_atlas
 
+    layers, neurons = parse_layers(args.layers), parse_neurons(args.neurons)
     atlas = open_atlas(args.atlas)
     model = None
     if args.model is not None:
         from kvmem.loading import load_model
 
         model = load_model(args.model, device=args.device, dtype=atlas.manifest.model.get("dtype"))
-    out = export_atlas(atlas, format=args.format, out=args.out, layers=parse_layers(args.layers), neurons=args.neurons,
+    out = export_atlas(atlas, format=args.format, out=args.out, layers=layers, neurons=neurons,
                        model=model, corpus=args.corpus, overwrite=args.overwrite, progress=not args.no_progress,
                        quantiles=not args.no_quantiles, per_band=args.per_band)
     print(f"wrote {args.format} export of {len(list((out / 'kvmem').glob('*/*.json')))} neuron(s) to {out}")

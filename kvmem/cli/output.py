@@ -20,7 +20,8 @@ _OS_FIXES = {
 
 
 def format_table(frame, *, floats: dict[str, str] | None = None, max_width: int | None = None) -> str:
-    """A DataFrame as aligned text; integers get thousands separators, long cells are cut with '…'."""
+    """A DataFrame as aligned text; integers as they are typed back (no thousands separators: a neuron id
+    ``1184`` must paste into the next command), long cells cut with '…'."""
     floats = floats or {}
     width = max_width or max(60, shutil.get_terminal_size((120, 20)).columns)
     columns = list(frame.columns)
@@ -33,9 +34,11 @@ def format_table(frame, *, floats: dict[str, str] | None = None, max_width: int 
             elif isinstance(value, bool):
                 text = str(value)
             elif isinstance(value, int) or (hasattr(value, "dtype") and "int" in str(getattr(value, "dtype", ""))):
-                text = f"{int(value):,}"
+                text = str(int(value))
             elif isinstance(value, float):
                 text = f"{value:.4g}"
+            elif name == "id":  # a neuron id, LAYER:NEURON, printed to be typed back
+                text = str(value)
             else:
                 text = repr(value) if isinstance(value, str) else str(value)
             line.append(text if len(text) <= 48 else text[:47] + "…")

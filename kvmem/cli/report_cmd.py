@@ -1,13 +1,14 @@
 """``kvmem report``: export neuron reports (formats from :data:`kvmem.report.formats.FORMATS`) with an index.
 
-    kvmem report --atlas DIR L N [L N ...] --out DIR
-    kvmem report --atlas DIR --layer L --top M [--by max|mean|frac_positive] --format md --out DIR
+    kvmem report --atlas DIR --neurons 3:17,5:200 --out DIR
+    kvmem report --atlas DIR --layers 3 --top M [--by max|mean|frac_positive] --format md --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 
+from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.errors import KvmemError
 
 
@@ -15,11 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     from kvmem.report.export import RANKINGS
     from kvmem.report.formats import FORMATS
 
-    parser.add_argument("neurons", nargs="*", type=_integer, metavar="L N",
-                        help="layer and neuron pairs, e.g. 3 17 5 200 (or use --layer with --top)")
-    parser.add_argument("--atlas", required=True, help="atlas directory written by kvmem scan")
-    parser.add_argument("--layer", type=_integer, default=None, help="with --top: report the best neurons of this layer")
-    parser.add_argument("--top", type=_integer, default=None, help="with --layer: how many neurons")
+    add_atlas_option(parser)
+    add_neurons_option(parser, "report these neurons (or use --layers with --top)")
+    add_layers_option(parser, "with --top: report the best neurons of each of these layers")
+    parser.add_argument("--top", type=_integer, default=None, help="with --layers: how many neurons per layer")
     parser.add_argument("--by", default="max", choices=list(RANKINGS), help="ranking for --top (default: max coefficient)")
     described = "; ".join(f"{f.name}: {f.description}" for f in FORMATS.values())
     parser.add_argument("--format", default="html", choices=list(FORMATS),
@@ -37,22 +37,22 @@ def _integer(text: str) -> int:
 
 
 def pairs_from_args(args: argparse.Namespace, atlas) -> list[tuple[int, int]]:
-    """(layer, neuron) pairs from positional ``L N`` pairs or from ``--layer/--top/--by``."""
+    """(layer, neuron) pairs from ``--neurons`` or from ``--layers/--top/--by``."""
     from kvmem.report import select_neurons
 
-    ranked = args.layer is not None or args.top is not None
-    if args.neurons and ranked:
-        raise KvmemError("give either L N pairs or --layer L --top M, not both")
+    neurons, layers = parse_neurons(args.neurons), parse_layers(args.layers)
+    ranked = layers is not None or args.top is not None
+    if neurons and ranked:
+        raise KvmemError("give either --neurons or --layers L --top M, not both")
     if ranked:
-        if args.layer is None or args.top is None:
-            raise KvmemError("--layer and --top go together: e.g. --layer 3 --top 10")
-        return select_neurons(atlas, args.layer, top=args.top, by=args.by)
-    if not args.neurons:
-        raise KvmemError("nothing to report: give L N pairs (e.g. 3 17) or --layer L --top M")
-    if len(args.neurons) % 2:
-        raise KvmemError(f"neurons come in L N pairs; got {len(args.neurons)} number(s) "
-                         f"({' '.join(map(str, args.neurons))})")
-    return list(zip(args.neurons[0::2], args.neurons[1::2]))
+        if layers is None or args.top is None:
+            raise KvmemError("--layers and --top go together: e.g. --layers 3 --top 10")
+        return [pair for layer in layers for pair in select_neurons(atlas, layer, top=args.top, by=args.by)]
+    if not neurons:
+        raise KvmemError("nothing to report: give --neurons (e.g. 3:17,5:2) or --layers L --top M")
+    for layer, neuron in neurons:
+        atlas.check(layer, neuron)
+    return neurons
 
 
 def run(args: argparse.Namespace) -> int:

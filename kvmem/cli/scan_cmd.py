@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
         parser.add_argument("--quiet", action="store_true", help="no progress bars")
         return
-    parser.add_argument("--model", required=True, help="smollm2-135m, gpt2-random, a local HF directory or a hub id")
+    parser.add_argument("--model", required=True,
+                        help="a built-in (smollm2-135m, gpt2-random), a local HF directory or a hub id")
     parser.add_argument("--corpus", required=True, help="pydoc, stdlib-docs, a file or directory, or hf:NAME[:CONFIG][:SPLIT]")
     parser.add_argument("--out", required=True, help="atlas directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -25,10 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_layers_option(parser, "layers to scan (default: all)")
     parser.add_argument("--top-k", type=int, default=25)
     parser.add_argument("--per-document", action="store_true", help="also keep the best position of each document")
-    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens read")
     parser.add_argument("--window", type=int, default=None, help="tokens per window (default min(context, 256))")
     parser.add_argument("--batch-size", default="8", help=BATCH_SIZE_HELP)
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to windows")
+    parser.add_argument("--skip-first", type=int, default=1, metavar="N",
+                        help="tokens at the start of every window read but not scored (default 1: the first token "
+                             "after BOS has no left context, and position artefacts such as massive activations "
+                             "sit there; 0 scores every token)")
     parser.add_argument("--unit", default="document", choices=["document", "paragraph", "line", "sentence"])
     parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
     parser.add_argument("--top-n", type=int, default=20, help="tokens kept per value / key projection")
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(
         layers=parse_layers(args.layers), top_k=args.top_k, per_document=args.per_document,
         max_tokens=args.max_tokens, window=args.window, batch_size=args.batch_size, prepend_bos=not args.no_bos,
+        skip_first=args.skip_first,
         top_n=args.top_n, conventions=tuple(c.strip() for c in args.conventions.split(",") if c.strip()),
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,

@@ -122,8 +122,7 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     for layer in chosen:
         model.hook_name(layer)  # checks the range
     last = model.n_layers - 1
-    hook_dict = model.bridge.hook_dict
-    has_mid = all(model.hook_name(layer, "resid_mid") in hook_dict for layer in chosen)
+    has_mid = all(model.has_site(layer, "resid_mid") for layer in chosen)
     names: dict[tuple[int, str], str] = {}
     for layer in chosen:
         names[(layer, "m")] = model.hook_name(layer, "post")

@@ -119,15 +119,17 @@ class Sampled:
 
 
 def sample_positions(model: Model, corpus: Corpus, *, positions: int, seed: int, plan: TokenPlan) -> Sampled:
-    """``positions`` distinct token positions drawn uniformly (seeded) from the tokens ``plan`` reads
-    (:func:`scan_plan`); each is read with the prefix of its window the model sees."""
+    """``positions`` distinct token positions drawn uniformly (seeded) from the tokens ``plan`` scores
+    (:func:`scan_plan`: a window's first ``skip_first`` tokens are read, not scored); each is read with the
+    prefix of its window the model sees."""
     items = corpus_windows(model, corpus, plan)
-    lengths = np.array([len(w.tokens) for w in items], np.int64)
+    leads = np.array([len(w.tokens) - len(plan.scored(len(w.tokens))) for w in items], np.int64)
+    lengths = np.array([len(w.tokens) for w in items], np.int64) - leads  # scored tokens of each window
     total = int(lengths.sum())
     chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(positions, total), replace=False))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     which = np.searchsorted(starts, chosen, side="right") - 1  # window of each sampled position
-    offset = chosen - starts[which]
+    offset = chosen - starts[which] + leads[which]  # index into the window
     extra = plan.offset  # index of a window's first token in the model's input
     sequences, reads, doc, pos = [], [], [], []
     for w in np.unique(which):

@@ -41,7 +41,7 @@ def neuron_figures(record, data: dict) -> list[Figure]:
     layer, neuron = data["layer"], data["neuron"]
     out = []
     png, w, h = _render(lambda ax: plots.plot_histogram(record.histogram, ax=ax), (4.6, 2.4))
-    out.append(Figure("histogram", f"Coefficient histogram of L{layer}/{neuron} over "
+    out.append(Figure("histogram", f"Coefficient histogram of {layer}:{neuron} over "
                       f"{data['provenance']['tokens']:,} corpus tokens (log-spaced bins).", png, w, h))
     shown = record.triggers[record.triggers.kind.isin(["top", "bottom"])]
     if len(shown):

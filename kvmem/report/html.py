@@ -86,7 +86,7 @@ def _header(data: dict) -> str:
             ("Projection conventions", conventions),
             ("kvmem version", f"atlas written by {esc(p['kvmem_version'])}, report by {esc(p['exported_with'])}")]
     table = "".join(f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in rows)
-    return (f"<h1>Neuron L{data['layer']}/{data['neuron']}</h1>"
+    return (f"<h1>Neuron {data['layer']}:{data['neuron']}</h1>"
             f'<p class="subtitle">{esc(p["model"])} · layer {data["layer"]}, neuron {data["neuron"]}</p>'
             f'<table class="meta">{table}</table>')
 
@@ -263,7 +263,7 @@ def render_neuron(data: dict, figures: list) -> str:
             + _agreement(data) + _explanations(data))
     footer = (f'Written by kvmem {esc(_version())} from the atlas <span class="mono">{esc(data["provenance"]["atlas"])}'
               "</span>; schema kvmem.neuron/1. Every number comes from the atlas files; nothing is fetched.")
-    return _page(f"L{data['layer']}/{data['neuron']} · {data['provenance']['model']}", body, footer)
+    return _page(f"{data['layer']}:{data['neuron']} · {data['provenance']['model']}", body, footer)
 
 
 def _version() -> str:

@@ -64,7 +64,7 @@ def render_neuron(data: dict, figures: list, *, folder: str) -> str:
     p, s = data["provenance"], data["stats"]
     captions = {figure.name: figure.caption for figure in figures}
     layer, neuron = data["layer"], data["neuron"]
-    out = [f"# Neuron L{layer}/{neuron}", "",
+    out = [f"# Neuron {layer}:{neuron}", "",
            _table(["field", "value"], [
                ["model", md_text(p["model"])], ["fingerprint", md_code(p["fingerprint"])],
                ["layer", str(layer)], ["neuron", str(neuron)],

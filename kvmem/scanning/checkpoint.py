@@ -28,7 +28,7 @@ from kvmem.plan import StreamPosition, TokenPlan
 from kvmem.scanning.state import LayerState, ScanState
 from kvmem.scanning.texts import TextStore
 
-__all__ = ["save_state", "load_state", "state_to_bytes", "state_from_bytes"]
+__all__ = ["save_state", "load_state", "saved_plan", "state_to_bytes", "state_from_bytes"]
 
 _VERSION = 3  # 2: the taxonomy's sums (position, gate/up quadrants, unigrams); 3: the tensor file is
 # named per generation in state.json, and the documents read have digests
@@ -132,6 +132,16 @@ def _first_line(error: BaseException) -> str:
 def _flush(path: Path) -> None:
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
+
+
+def saved_plan(directory: Path) -> dict | None:
+    """The tokenization plan a checkpoint was saved under (its batch size, ...), or None where there is no
+    readable checkpoint (:func:`load_state` then says why)."""
+    try:
+        meta = json.loads((Path(directory) / META).read_text())
+        return dict(meta["header"]["plan"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_state(directory: Path, header: dict | None, *, device="cpu"):

@@ -21,13 +21,16 @@ class ScanConfig:
     layers:           layers to scan, None = all
     top_k:            triggers kept per neuron, highest and lowest
     per_document:     also keep the best position of each document (Geva et al. kept one per sentence)
-    max_tokens:       stop after this many scored tokens (None = whole corpus)
+    max_tokens:       stop after this many tokens read (None = whole corpus)
     window:           tokens per window (None = min(model context, 256))
     batch_size:       windows per forward pass (an int); or a token budget, ``"N tokens"`` (as many whole
                       windows as fit N padded positions); or ``"auto"``: on a GPU the largest batch whose
                       step fits in 70% of the free memory (measured by two probe batches), on a CPU
                       2,048 tokens (more gains nothing there). The plan records the resolved number.
     prepend_bos:      prepend the tokenizer's BOS token to every window (never scored)
+    skip_first:       tokens at the start of every window read but not scored (default 1: the first token
+                      after BOS, computed with no left context, is where position artefacts such as massive
+                      activations sit, Sun et al. 2024; they would lead every ranking); 0 scores every token
     context_before / context_after: context tokens kept around each trigger
     context_activations: keep each trigger's neuron on its context tokens, read from the batch in memory as it
                       streams by (no second forward; costs memory for context_width floats per kept entry)
@@ -59,6 +62,7 @@ class ScanConfig:
     window: int | None = None
     batch_size: int | str = 8
     prepend_bos: bool = True
+    skip_first: int = 1
     context_before: int = 12
     context_after: int = 4
     context_activations: bool = True
@@ -89,7 +93,7 @@ class ScanConfig:
         positive("window", self.window, allow_none=True)
         positive("checkpoint_every", self.checkpoint_every, allow_none=True)
         positive("block_documents", self.block_documents, allow_none=True)
-        for name in ("random_samples", "bin_samples", "seed"):
+        for name in ("random_samples", "bin_samples", "seed", "skip_first"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise KvmemError(f"{name} must be an integer >= 0, got {value!r}")
@@ -122,6 +126,7 @@ class ScanConfig:
     def from_dict(cls, data: dict) -> ScanConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
+        values.setdefault("skip_first", 0)  # recorded since kvmem skipped first tokens; absent: every token scored
         for name in ("layers", "conventions", "shard"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])

@@ -22,7 +22,7 @@ from datetime import timedelta
 from kvmem.errors import KvmemError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "launched", "timeout_seconds", "group_arguments", "start",
-           "rank_and_world", "merge_to_rank0", "gather_states", "barrier", "stop"]
+           "rank_and_world", "smallest", "merge_to_rank0", "gather_states", "barrier", "stop"]
 
 DEFAULT_TIMEOUT_S = 7200.0  # two hours: ranks finishing a long scan at different times, then the atlas write
 TIMEOUT_ENV = "KVMEM_DIST_TIMEOUT"
@@ -87,6 +87,18 @@ def start(device: str, *, timeout_s: float | None = None) -> tuple[int, int]:
 def rank_and_world(device: str) -> tuple[int, int]:
     """(rank, world size); starts the process group when launched by torchrun (see :func:`start`)."""
     return start(device)
+
+
+def smallest(value: int, device: str) -> int:
+    """The smallest of every rank's ``value`` (each rank gets the same number)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    wire = torch.tensor([value], dtype=torch.int64, device=_wire_device(device))
+    dist.all_reduce(wire, op=dist.ReduceOp.MIN)
+    return int(wire.item())
 
 
 def barrier() -> None:

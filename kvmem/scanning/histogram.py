@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["HIST_BINS", "N_MAGNITUDE", "MAGNITUDE_CODE_ZERO", "MAGNITUDE_EDGES", "bin_edges", "bin_of_code", "bin_of",
-           "bin_index", "histogram_update", "reference_bin"]
+           "bin_index", "histogram_update", "histogram_fold",
+           "reference_bin"]
 
 _LOW_EXP = -7  # smallest finite edge 2^-7
 _HIGH_EXP = 7  # largest finite edge 2^7
@@ -86,13 +87,27 @@ def _offsets(d_ff: int, device):
 
 def histogram_update(counts, values, index_buffer=None):
     """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32; returns
-    #{v > 0} per neuron [d_ff] int64.
+    #{v > 0} per neuron [d_ff] int64 (:func:`histogram_fold`, its read done at once)."""
+    import torch
+
+    from kvmem.scanning.reads import run_rounds
+
+    positive = torch.zeros(values.shape[1], dtype=torch.int64, device=values.device)
+    run_rounds([histogram_fold(counts, positive, values, index_buffer)])
+    return positive
+
+
+def histogram_fold(counts, positive, values, index_buffer=None):
+    """counts [d_ff, HIST_BINS] int64 += per-neuron histogram of values [N, d_ff] float32, and positive
+    [d_ff] int64 += #{v > 0}; the histogram now, and -> a pending step (:mod:`kvmem.scanning.reads`)
+    with one read: whether a positive value below 2^-127 needs counting apart.
 
     One arithmetic shift gives each value's sign, exponent and first mantissa bit; a clamp merges
-    the codes that share an end bin; one bincount over ``code * d_ff + neuron`` (code-major, which
-    keeps its writes local) counts them; sums over row ranges fold the codes into the 60 bins.
+    the codes that share an end bin; one count over ``code * d_ff + neuron`` (code-major, which
+    keeps its writes local; ``index_add_``, whose output size is given: ``bincount`` asks a GPU for
+    the largest code) counts them; sums over row ranges fold the codes into the 60 bins.
     Same bins as :func:`bin_index`. ``index_buffer``: optional int32 storage of at least N·d_ff
-    elements for the bincount index (saves allocating, and faulting in, a fresh one per batch).
+    elements for the index (saves allocating, and faulting in, a fresh one per batch).
     """
     import torch
 
@@ -101,7 +116,9 @@ def histogram_update(counts, values, index_buffer=None):
     index = torch.empty_like(bits) if index_buffer is None else index_buffer[:bits.numel()].view(bits.shape)
     torch.bitwise_right_shift(bits, 22, out=index).clamp_(_T_LOW, _T_HIGH)
     torch.add(_offsets(d_ff, values.device), index, alpha=d_ff, out=index)
-    table = torch.bincount(index.view(-1), minlength=_TABLE_ROWS * d_ff).view(_TABLE_ROWS, d_ff)
+    table = torch.zeros(_TABLE_ROWS * d_ff, dtype=torch.int64, device=values.device)
+    table.index_add_(0, index.view(-1), _ones(index.numel(), values.device))
+    table = table.view(_TABLE_ROWS, d_ff)
     negative = table[:_SPLIT]  # row r: m = r + _M0, from _M0 (bin 0 of |v|) up to 511
     negative = torch.cat([negative[:N_MAGNITUDE - 1], negative[N_MAGNITUDE - 1:].sum(0, keepdim=True)])  # [30]: j = r
     non_negative = table[_SPLIT:]  # row r: m = r, from 0 up to _M1
@@ -109,10 +126,28 @@ def histogram_update(counts, values, index_buffer=None):
     counts[:, :N_MAGNITUDE] += negative.flip(0).T  # bin 29 - j holds negative magnitude bin j
     counts[:, N_MAGNITUDE:] += non_negative.T
     # table row _SPLIT (t = 0) holds +0.0 and the positive values below 2^-127: count those exactly when there are any
-    positive = non_negative.sum(0) - table[_SPLIT]
-    if bool(table[_SPLIT].any()):
+    positive += non_negative.sum(0) - table[_SPLIT]
+    return _tiny_positives(positive, values, table[_SPLIT].any())
+
+
+def _tiny_positives(positive, values, any_at_zero):
+    from kvmem.scanning.reads import sizes
+
+    (at_zero,) = yield sizes(any_at_zero)
+    if at_zero:
+        import torch
+
         positive += torch.count_nonzero((values > 0) & (values < 2.0**-127), dim=0)
-    return positive
+
+
+def _ones(n: int, device):
+    """[n] int64 ones without writing them: one element, expanded (``index_add_``'s source)."""
+    import torch
+
+    key = ("one", str(device))
+    if key not in _LUT:
+        _LUT[key] = torch.ones(1, dtype=torch.int64, device=device)
+    return _LUT[key].expand(n)
 
 
 def reference_bin(value: float) -> int:

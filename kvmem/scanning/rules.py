@@ -94,12 +94,17 @@ def order_by_value(values: Tensor, codes: Tensor, k: int, largest: bool) -> Tens
     return by_code.gather(0, by_value)
 
 
-def order_by_key(keys: Tensor, codes: Tensor, dim: int) -> Tensor:
+def order_by_key(keys: Tensor, codes: Tensor, dim: int, *, check_ties: bool = True) -> Tensor:
     """Indices sorting by (key, then code) along ``dim``; empties (code EMPTY, key NO_KEY) last.
 
     Keys are 53-bit hashes, so two positions share one almost never: one stable sort by key
-    suffices unless two real keys tie, and then the exact two-pass sort runs.
+    suffices unless two real keys tie, and then the exact two-pass sort runs. Asking whether two
+    tie is a read of the device; ``check_ties=False`` runs the two-pass sort without asking (the
+    same order, for short rows where a second sort costs less than a synchronisation).
     """
+    if not check_ties:
+        by_code = _code_order(codes, dim)
+        return by_code.gather(dim, torch.argsort(keys.gather(dim, by_code), dim=dim, stable=True))
     by_key = torch.argsort(keys, dim=dim, stable=True)
     n = keys.shape[dim]
     if n > 1:

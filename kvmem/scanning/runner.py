@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, WindowText, iterate_bat
 from kvmem.scanning import distributed
 from kvmem.scanning.backends import Backend, select_backend
 from kvmem.scanning.capture import capture_coefficients, has_gate_up
-from kvmem.scanning.checkpoint import load_state, save_state
+from kvmem.scanning.checkpoint import load_state, save_state, saved_plan
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.prefetch import prefetched_batches
 from kvmem.scanning.progress import Phases
@@ -38,7 +39,8 @@ from kvmem.scanning.state import ScanState, new_layer_state
 from kvmem.scanning.step import BatchRows, BatchStep, close_open_document
 from kvmem.scanning.writer import write_atlas
 
-__all__ = ["scan", "stream", "resolve_batch_size", "resolve_window", "token_plan"]
+__all__ = ["scan", "stream", "resolve_batch_size", "agreed_batch_size", "batch_for", "probe_peak", "resolve_window",
+           "token_plan"]
 
 
 def resolve_window(model: Model, config: ScanConfig) -> int:
@@ -50,17 +52,20 @@ def resolve_window(model: Model, config: ScanConfig) -> int:
     return window
 
 
-def token_plan(model: Model, config: ScanConfig, unit: str = "document") -> TokenPlan:
-    """The tokenization plan of a scan of ``model`` under ``config``, over a corpus of ``unit``s."""
+def token_plan(model: Model, config: ScanConfig, unit: str = "document", *, batch_size: int | None = None) -> TokenPlan:
+    """The tokenization plan of a scan of ``model`` under ``config``, over a corpus of ``unit``s;
+    ``batch_size``: windows per forward already agreed on (see :func:`agreed_batch_size`)."""
     bos = model.bos_token_id if config.prepend_bos else None
     if config.prepend_bos and bos is None:
         raise KvmemError(f"the tokenizer of {model.name} has no BOS token; scan with prepend_bos=False (--no-bos)")
     window = resolve_window(model, config)
-    return TokenPlan(window=window, bos_token_id=bos, batch_size=resolve_batch_size(model, config, window),
+    return TokenPlan(window=window, bos_token_id=bos,
+                     batch_size=batch_size or resolve_batch_size(model, config, window),
                      max_tokens=config.max_tokens, block_documents=config.block_documents_for(unit), shard=config.shard,
                      sort_by_length=config.sort_by_length,
                      # per-document bests need each document's windows together: documents shortest first
-                     longest_windows_first=config.sort_by_length and not config.per_document)
+                     longest_windows_first=config.sort_by_length and not config.per_document,
+                     skip_first=config.skip_first)
 
 
 CPU_AUTO_TOKENS = 2048  # a CPU's throughput is flat beyond this many tokens per forward
@@ -80,34 +85,100 @@ def resolve_batch_size(model: Model, config: ScanConfig, window: int) -> int:
     return max(1, int(spec.split()[0]) // window)
 
 
+def agreed_batch_size(model: Model, config: ScanConfig, *, checkpoint: Path, resume: bool, world: int) -> int | None:
+    """The batch size an ``"auto"`` scan uses, the same in every process and every run of one scan: a
+    resumed scan takes the size its checkpoint recorded (a new probe might choose another, and the
+    batches, hence the state, would differ); under torchrun every rank probes its own device and all
+    take the smallest size (the ranks' batches must be the same tensors a single process would read).
+    None when ``config.batch_size`` is not ``"auto"`` (it resolves the same everywhere)."""
+    if config.batch_size != "auto":
+        return None
+    if resume:
+        saved = saved_plan(checkpoint)
+        if saved is not None and saved.get("batch_size"):
+            return int(saved["batch_size"])
+    size = resolve_batch_size(model, config, resolve_window(model, config))
+    return distributed.smallest(size, model.device) if world > 1 else size
+
+
+PROBE_WINDOWS = 8  # the probe's batch: large enough that what grows with the batch outweighs what does not
+
+
 def _probe_batch_size(model: Model, config: ScanConfig, window: int) -> int:
-    """The largest batch whose step fits in GPU_MEMORY_SHARE of the free memory: the peak memory of one
-    real step (forward, capture and fold into a throwaway state) at 1 and 2 full windows gives the cost
-    of a window; the state a scan keeps is allocated first, so it is not counted twice."""
+    """The largest batch whose step fits in GPU_MEMORY_SHARE of the free memory (:func:`probe_peak`,
+    :func:`batch_for`); the state a scan keeps is counted once, apart from the step's peak."""
     import torch
 
-    layers = _check_layers(model, config)
     device = torch.device(model.device)
-    bos = model.bos_token_id if config.prepend_bos else None
-    peaks = []
+    layers = _check_layers(model, config)
     before = torch.cuda.memory_allocated(device)
     state = _fresh_state(model, config, layers)
     state_bytes = torch.cuda.memory_allocated(device) - before
-    for windows in (1, 2):
-        plan = TokenPlan(window=window, bos_token_id=bos, batch_size=windows)
-        texts = [WindowText(doc, "probe", 0, tuple([0] * window), -1, "") for doc in range(windows)]
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        _run_batch(model, Batch(0, texts, windows * window), plan, config, state, select_backend(model.device))
-        torch.cuda.synchronize(device)
-        peaks.append(torch.cuda.max_memory_allocated(device) - base)
     del state
+    peak = probe_peak(model, config, window, lambda: _fresh_state(model, config, layers), lambda: _CudaPeak(device))
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    per_window = max(peaks[1] - peaks[0], 1)
-    fixed = max(peaks[0] - per_window, 0)
-    return max(1, int(((free - state_bytes) * GPU_MEMORY_SHARE - fixed) // per_window))
+    return batch_for(peak, PROBE_WINDOWS, (free - state_bytes) * GPU_MEMORY_SHARE)
+
+
+def batch_for(peak: int, windows: int, budget: float) -> int:
+    """The most windows whose step fits ``budget`` bytes, from the step's ``peak`` at ``windows`` windows.
+
+    A step's memory is the largest of its phases' (the forward's activations, the histogram, the
+    candidates of the sides, ...), each a cost that does not grow with the batch plus one that grows
+    linearly with it: a convex function of the windows that is 0 at 0, so peak · B / windows bounds it
+    for every B >= windows (a line through two small probes does not: a phase with a steeper growth
+    can take over beyond them, as the sides' candidates do from the histogram's fixed table)."""
+    return max(1, int(budget * windows // max(peak, 1)))
+
+
+def probe_peak(model: Model, config: ScanConfig, window: int, new_state, measure, windows: int = PROBE_WINDOWS) -> int:
+    """The peak memory of one real step at ``windows`` full windows (forward, capture and fold into a fresh
+    state from ``new_state()``, a throwaway, so that the probe is a scan's first, densest batch), the
+    most of its layouts: every window a document of its own, and (with per-document sides) all
+    windows one document, whose last-document search reads the whole batch. ``measure()``: a context
+    manager whose ``bytes`` is the peak of the memory allocated inside it (the state is made before).
+    The tokens are drawn from the vocabulary (seeded): text-like, few ties (a batch of one repeated
+    token ties every window with the others and inflates the sides' candidates)."""
+    import torch
+
+    bos = model.bos_token_id if config.prepend_bos else None
+    tokens = torch.randint(0, model.vocab_size, (windows, window), generator=torch.Generator().manual_seed(0)).tolist()
+    layouts = [lambda w: (w, 0)] + ([lambda w: (0, w * window)] if config.per_document else [])  # -> (doc, start)
+    plan = TokenPlan(window=window, bos_token_id=bos, batch_size=windows)
+    worst = 0
+    for layout in layouts:
+        texts = []
+        for w in range(windows):
+            doc, start = layout(w)
+            texts.append(WindowText(doc, "probe", start, tuple(tokens[w]), -1, ""))
+        state = new_state()
+        with measure() as peak:
+            _run_batch(model, Batch(0, texts, windows * window), plan, config, state, select_backend(model.device))
+        del state
+        worst = max(worst, peak.bytes)
+    return worst
+
+
+class _CudaPeak:
+    """The peak of the CUDA memory allocated inside the block, above what was allocated when it began."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
 
 
 def _check_layers(model: Model, config: ScanConfig) -> list[int]:
@@ -149,11 +220,12 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
     layers = _check_layers(model, config)
-    plan = token_plan(model, config, corpus.unit)
     rank, world = distributed.rank_and_world(model.device)
+    target = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvmem-atlas-")) / "atlas"
+    plan = token_plan(model, config, corpus.unit, batch_size=agreed_batch_size(
+        model, config, checkpoint=_checkpoint_path(target, rank, world), resume=resume, world=world))
     phases = Phases(progress and rank == 0)  # one set of bars, rank 0's
 
-    target = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvmem-atlas-")) / "atlas"
     lock = target.with_name(f".{target.name}{f'.rank{rank}' if world > 1 else ''}.lock")
     # one scan at a time per --out (and rank); the objects that exist now (modules, the model) are left out of
     # garbage collections until the scan ends
@@ -164,7 +236,7 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
 
 def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, layers: list[int], plan: TokenPlan,
                phases: Phases, *, rank: int, world: int, overwrite: bool, resume: bool, backend: str | None):
-    checkpoint = target.with_name(target.name + (f".rank{rank}" if world > 1 else "") + ".checkpoint")
+    checkpoint = _checkpoint_path(target, rank, world)
     if target.exists() and not overwrite:
         raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
     with phases.phase("kernels"):  # numba compiles its kernels once per install (seconds), then loads them
@@ -175,10 +247,19 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
     else:
         state = _fresh_state(model, config, layers)
 
-    with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
-        bar.update(state.tokens)
-        _stream(model, corpus, plan, config, state, engine, rank=rank, world=world, bar=bar,
-                checkpoint=(checkpoint, header) if config.checkpoint_every else None)
+    if config.checkpoint_every and phases.enabled:
+        print(f"kvmem: {checkpoint_rule(config, plan)}", file=sys.stderr)
+    try:
+        with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
+            bar.update(state.tokens)
+            _stream(model, corpus, plan, config, state, engine, rank=rank, world=world, bar=bar,
+                    checkpoint=(checkpoint, header) if config.checkpoint_every else None)
+    except KeyboardInterrupt as interrupt:
+        if config.checkpoint_every:
+            interrupt.add_note(f"a checkpoint of {checkpoint_tokens(checkpoint):,} tokens is in {checkpoint}: continue "
+                               f"with --resume" if checkpoint.exists() else
+                               f"no checkpoint was saved yet ({checkpoint_rule(config, plan)}); --resume cannot continue")
+        raise
     for layer_state in state.layer_states.values():
         close_open_document(engine, layer_state)
     if world > 1:
@@ -197,6 +278,27 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
     if world > 1:
         distributed.barrier()
     return open_atlas(target)
+
+
+def checkpoint_rule(config: ScanConfig, plan: TokenPlan) -> str:
+    """Where a scan's checkpoints fall, in one line for the user."""
+    return (f"checkpoints are saved at the end of a block of {plan.block_documents:,} documents once "
+            f"{config.checkpoint_every:,} tokens have been scanned since the last one (a scan resumes at a block "
+            f"boundary; a block of long documents can hold far more tokens: --block-documents N sets its size)")
+
+
+def checkpoint_tokens(path: Path) -> int:
+    """Tokens scanned in the checkpoint at ``path`` (0 if it cannot be read)."""
+    import json
+
+    try:
+        return int(json.loads((path / "state.json").read_text())["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _checkpoint_path(target: Path, rank: int, world: int) -> Path:
+    return target.with_name(target.name + (f".rank{rank}" if world > 1 else "") + ".checkpoint")
 
 
 def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "document", text_field: str = "text",

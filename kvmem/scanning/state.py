@@ -49,8 +49,9 @@ class Side:
     [k, F] int64 (row 0 is all NaN), so reordering entries moves one integer each, not C floats.
     A backend that inserts entries moves values, codes and slots together, and appends the new
     entries' context with :meth:`add_context`. The pool is compacted to the live rows when it fills.
-    ``full`` is a host-side note that every neuron holds k entries (once true it stays true), so a
-    backend asks the device at most until then.
+    ``full`` is a host-side note that every neuron holds k entries (once true it stays true), set by
+    the caller from what it folded in (k finite coefficients per neuron fill a side); a backend may
+    take a faster search once it is set, and finds the same entries either way.
     """
 
     def __init__(self, values: Tensor, codes: Tensor, context: Tensor | None, largest: bool, *, width: int = 0):
@@ -216,7 +217,7 @@ class LayerState:
     ``random``/``bins``: the samples of :mod:`kvmem.scanning.state` (None when switched off).
 
     Taxonomy sums (None / 0 when switched off): ``position_product`` [2, F] float64 double-double
-    Σ m·p, p the position in the window (0 = the window's first scored token); ``position_total`` /
+    Σ m·p, p the position in the window (0 = the window's first token, scored or not); ``position_total`` /
     ``position_sq_total`` Σp, Σp² (exact integers, the same for every neuron); ``quadrants`` [4, F]
     int64 (gated FFNs): positions with (gate > 0, up > 0), (gate > 0, up <= 0), (gate <= 0, up > 0),
     (gate <= 0, up <= 0), gate and up the pre-activations W_gate x and W_up x. ``extras``: values

@@ -135,7 +135,7 @@ def contexts_table(model: Model, config: ScanConfig, plan: TokenPlan, state, cod
     window the model read (no second pass)."""
     doc, pos = unpack(codes)
     text = context_columns(state.texts, doc, pos, window=plan.window, before=config.context_before,
-                           after=config.context_after, token_str=model.token_str)
+                           after=config.context_after, token_str=model.token_str, lead=plan.skip_first)
     following = text.next_token_id >= 0
     strings = model.token_texts(np.concatenate([text.token_id, text.next_token_id[following]]).tolist())
     next_token = np.full(len(codes), "", object)

@@ -88,9 +88,10 @@ class ContextColumns:
 
 
 def context_columns(store: TextStore, docs: np.ndarray, positions: np.ndarray, *, window: int, before: int,
-                    after: int, token_str) -> ContextColumns:
+                    after: int, token_str, lead: int = 0) -> ContextColumns:
     """The text of each (docs[i], positions[i]): up to ``before`` tokens before it and ``after`` after,
-    clipped to the window the model read. Pieces split the context into its tokens, the whitespace
+    clipped to the scored tokens of the window the model read (its first ``lead`` tokens are read but not
+    scored, so they have no coefficient to show beside them). Pieces split the context into its tokens, the whitespace
     before a token belonging to it (the first piece without it).
 
     Each window's pieces are cut once; a context is then a slice of the document text and a slice
@@ -115,7 +116,7 @@ def context_columns(store: TextStore, docs: np.ndarray, positions: np.ndarray, *
         w = store.windows[int(keys[lo])]
         n = len(w.tokens)
         at = positions[lo:hi] - w.start
-        c0, c1 = np.maximum(at - before, 0), np.minimum(at + after + 1, n)
+        c0, c1 = np.maximum(at - before, min(lead, n)), np.minimum(at + after + 1, n)
         tokens = np.asarray(w.tokens, np.int64)
         token_id[lo:hi] = tokens[at]
         following = np.append(tokens[1:], w.following)

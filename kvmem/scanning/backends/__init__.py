@@ -15,11 +15,11 @@ import warnings
 import torch
 
 from kvmem.errors import KvmemError
-from kvmem.scanning.backends.base import Backend, BatchStatistics, ContextFn
+from kvmem.scanning.backends.base import Backend, BatchStatistics, ContextFn, Documents
 from kvmem.scanning.backends.numba_backend import NumbaBackend
 from kvmem.scanning.backends.torch_backend import TorchBackend
 
-__all__ = ["Backend", "BatchStatistics", "ContextFn", "BACKENDS", "ENV", "select_backend"]
+__all__ = ["Backend", "BatchStatistics", "ContextFn", "Documents", "BACKENDS", "ENV", "select_backend"]
 
 BACKENDS: dict[str, type[Backend]] = {"torch": TorchBackend, "numba": NumbaBackend}
 ENV = "KVMEM_KERNELS"  # environment variable naming a backend (torch or numba)

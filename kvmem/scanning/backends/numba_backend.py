@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvmem.scanning.backends.base import BatchStatistics, ContextFn
+from kvmem.scanning.backends.base import BatchStatistics, ContextFn, Documents
 from kvmem.scanning.backends.torch_backend import TorchBackend
 from kvmem.scanning.rules import BLOCK_ROWS, key_salt, keys_or_none, order_by_key
 from kvmem.scanning.state import BinSample, Side, new_layer_state
@@ -55,8 +55,7 @@ class NumbaBackend(TorchBackend):
         no_context = lambda rows, neurons: torch.zeros(rows.numel(), 1)  # noqa: E731
         statistics = self.statistics(acts, state.histogram, state.positive)
         self.stream_side(state.top, acts, codes, no_context, True, statistics.high)
-        starts, lengths = torch.tensor([0, 2]), torch.tensor([2, 2])
-        self.fold_documents([(state.doc_top, None)], acts, codes, starts, lengths, no_context, True)
+        self.fold_documents([(state.doc_top, None)], acts, codes, Documents.of([2, 2], "cpu"), no_context, True)
         rows = torch.arange(4)
         self.bin_sample(state.bins, acts, rows, keys_or_none(codes, 0), codes)
         self.quadrant_counts(torch.zeros(4, 4, dtype=torch.int64), acts, -acts)
@@ -109,11 +108,11 @@ class NumbaBackend(TorchBackend):
         _add_context(side, entered, context_fn)
 
     def fold_documents(self, pairs: Sequence[tuple[Side, Side | None]], acts: Tensor, codes: Tensor,
-                       starts: Tensor, lengths: Tensor, context_fn: ContextFn, ordered: bool) -> list[Side]:
+                       documents: Documents, context_fn: ContextFn, ordered: bool) -> list[Side]:
         """Context is read only for the entries still kept at the end, and for the last document."""
         self._threads()
-        return [self._fold_documents(side, open_side, acts, codes, starts, lengths, context_fn, ordered)
-                for side, open_side in pairs]
+        return [self._fold_documents(side, open_side, acts, codes, documents.starts, documents.lengths, context_fn,
+                                     ordered) for side, open_side in pairs]
 
     def _fold_documents(self, side: Side, open_side: Side | None, acts: Tensor, codes: Tensor, starts: Tensor,
                         lengths: Tensor, context_fn: ContextFn, ordered: bool) -> Side:
