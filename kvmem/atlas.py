@@ -496,6 +496,14 @@ class Atlas:
             frame = frame[frame.explainer == explainer]
         return frame.reset_index(drop=True)
 
+    def explanation_scores(self, layer: int | None = None, neuron: int | None = None, *,
+                           explainer: str | None = None) -> pd.DataFrame:
+        """The explanations' scores, one row per side and scorer: score, interval, p, n, baseline and the paired
+        interval of score minus baseline (columns: :data:`kvmem.autointerp.tidy.TIDY_COLUMNS`)."""
+        from kvmem.autointerp.tidy import score_table
+
+        return score_table(self.explanations(layer, neuron, explainer=explainer))
+
     def search_explanations(self, pattern: str, *, layer: int | None = None, limit: int = 100) -> pd.DataFrame:
         """Explanations whose text matches a regular expression."""
         try:

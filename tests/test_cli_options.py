@@ -190,4 +190,4 @@ def test_every_command_is_listed_and_a_named_one_parses_in_full(capsys):
         build_parser(["bogus"]).parse_args(["bogus"])
     assert bad.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
     args = build_parser(["score", "--atlas", "a"]).parse_args(["score", "--atlas", "a"])
-    assert args.scorers == "detection,fuzzing,simulation" and args.baseline is None  # its own defaults
+    assert args.scorers == "detection,fuzzing,simulation,output" and args.baseline is None  # its own defaults

@@ -40,7 +40,7 @@ def _side(neuron: int, word: str, *, seed: int = 0, n_top: int = 40, n_random: i
             code += 1
             examples.append(dict(code=code, band=band, tokens=tuple(tokens), index=index, activation=values[index],
                                  activations=None if band == "q0.9" else tuple(values), active=values[index] >= 5))
-    held = held_out_mask([e["code"] for e in examples], seed=seed)
+    held = held_out_mask([e["code"] for e in examples], seed=seed, window=1)
     return SideEvidence(layer=0, neuron=neuron, side="positive",
                         examples=tuple(Example(**e, held_out=bool(h)) for e, h in zip(examples, held)),
                         writes=(" meow",), opposes=(), threshold=5.0, convention="raw")
@@ -53,14 +53,22 @@ def _score(module, side, rule_json):
     return task, module.evaluate(task, answers, seed=1, n_boot=400)
 
 
-def test_split_is_seeded_hash_of_code_and_about_half():
+def test_split_is_seeded_hash_of_the_read_window_and_about_half():
     codes = np.arange(20000, dtype=np.int64) * 7919
-    mask = held_out_mask(codes, seed=3)
+    mask = held_out_mask(codes, seed=3, window=1)
     assert abs(mask.mean() - 0.5) < 0.02
-    assert (held_out_mask(codes, seed=3) == mask).all() and (held_out_mask(codes, seed=4) != mask).any()
-    assert held_out_mask(codes[::-1], seed=3)[::-1].tolist() == mask.tolist()  # per code, not per order
+    assert (held_out_mask(codes, seed=3, window=1) == mask).all() and (held_out_mask(codes, seed=4, window=1) != mask).any()
+    assert held_out_mask(codes[::-1], seed=3, window=1)[::-1].tolist() == mask.tolist()  # per code, not per order
+    # with 32-token windows: every position of a window (doc, pos // 32) in one set, about half of the windows held
+    docs, pos = np.repeat(np.arange(200), 320), np.tile(np.arange(320), 200)
+    codes = (docs.astype(np.int64) << 32) | pos
+    mask = held_out_mask(codes, seed=3, window=32).reshape(200, 10, 32)
+    assert (mask == mask[:, :, :1]).all()
+    assert 0.45 < mask[:, :, 0].mean() < 0.55 and mask[:, :, 0].any(axis=1).all() and not mask[:, :, 0].all()
     with pytest.raises(KvmemError, match="held-out fraction"):
-        held_out_mask(codes, held_out=1.5)
+        held_out_mask(codes, held_out=1.5, window=32)
+    with pytest.raises(KvmemError, match="split window must be an integer >= 1"):
+        held_out_mask(codes, window=0)
 
 
 def test_fit_rule_by_hand():
@@ -95,7 +103,7 @@ def test_previous_token_and_bigram_rules_by_hand():
 def test_tokens_explainer_finds_the_one_token():
     side = _side(0, " cat")
     [e] = TokensExplainer().explain([side])
-    assert Rule.from_json(e.rule) == Rule(kind="current_token", tokens=("cat",))
+    assert Rule.from_json(e.rule) == Rule(kind="current_token", tokens=("cat",), writes=("meow",))
     assert e.explain_score == 1.0 and "'cat'" not in e.text and '"cat"' in e.text and "' meow'" in e.text
     held = {x.code for x in side.examples if x.held_out}
     assert e.explain_codes and not held & set(e.explain_codes)  # the explainer never saw a held-out example
@@ -107,7 +115,11 @@ def test_one_token_neuron_scores_one_and_its_derangement_about_half():
     for module in (detection, fuzzing, simulation):
         for s, r in zip(sides, rules):
             task, result = _score(module, s, r)
-            assert result.score == pytest.approx(1.0) and (result.low, result.high) == pytest.approx((1.0, 1.0))
+            # the bootstrap alone says [1, 1]; the interval also holds what a shifted permutation null keeps (with
+            # ~20 examples a perfect score cannot rule out a true score a little below 1, as a Wilson interval says)
+            assert result.score == pytest.approx(1.0) and result.high == pytest.approx(1.0, abs=1e-5)
+            assert 0.8 < result.low < 1.0
+            assert result.p <= 1 / 401 + 1e-12  # a perfect explanation beats every permutation (n_boot 400)
             assert result.n >= 10 and not set(task.codes) - {x.code for x in s.examples if x.held_out}
     # derangement: neuron i judged with neuron i+1's rule (another token)
     baseline = [_score(detection, s, rules[(i + 1) % len(rules)])[1].score for i, s in enumerate(sides)]
@@ -165,9 +177,9 @@ def test_simulation_by_hand():
 
 
 def test_registry_and_errors():
-    assert list(SCORERS) == ["detection", "fuzzing", "simulation"]
+    assert list(SCORERS) == ["detection", "fuzzing", "simulation", "output", "intervention", "embedding"]
     assert [m.NAME for m in get_scorers("simulation,detection")] == ["simulation", "detection"]
-    with pytest.raises(KvmemError, match="unknown scorer.*choose from detection, fuzzing, simulation"):
+    with pytest.raises(KvmemError, match="unknown scorer.*choose from detection, fuzzing, simulation, output"):
         get_scorers("detect")
     expl = type("E", (), {"rule": "", "text": "cats", "layer": 1, "neuron": 2, "side": "positive"})
     with pytest.raises(KvmemError, match="L1/2 positive has no rule"):

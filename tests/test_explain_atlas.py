@@ -72,7 +72,7 @@ def test_cli_explain_score_and_neuron_report(explain_atlas, capsys):
     assert main(["score", "--atlas", path, "--scorers", "detection,simulation", "--n-boot", "50",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "2 explanation(s) by tokens" in out and "detection mean" in out
+    assert "2 explanation(s) by tokens" in out and re.search(r"detection: mean [0-9.]+ over 2 side\(s\)", out)
     assert main(["neuron", "--atlas", path, "0:1"]) == 0
     out = capsys.readouterr().out
     row = explain_atlas.explanations(0, 1).iloc[0]

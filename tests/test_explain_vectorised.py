@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 import kvmem
-from kvmem.autointerp import api, bulk, store
+from kvmem.autointerp import api, bulk, scoring, store
 from kvmem.autointerp.scorers.statistics import (
     balanced_accuracy_from,
     bootstrap,
@@ -62,6 +62,7 @@ def test_array_path_stores_exactly_what_the_per_side_path_stores(which, explain_
     calls = []
     per_neuron = bulk.load_evidence
     monkeypatch.setattr(api, "read_contexts", lambda atlas: None)
+    monkeypatch.setattr(scoring, "read_contexts", lambda atlas: None)
     monkeypatch.setattr(bulk, "read_contexts", lambda atlas: None)
     monkeypatch.setattr(bulk, "load_evidence", lambda *a, **k: calls.append(a[1:3]) or per_neuron(*a, **k))
     slow, slow_returned, slow_fewer, slow_fewer_returned = _run(slow_dir, seed=2, held_out=0.4)
@@ -74,6 +75,8 @@ def test_array_path_stores_exactly_what_the_per_side_path_stores(which, explain_
         assert set(fast.side) == {"positive", "negative"}
     for name in ("detection", "fuzzing", "simulation"):
         assert fast[name].notna().mean() > 0.9 and fast[f"{name}_baseline"].notna().mean() > 0.9
+        assert fast[f"{name}_p"].notna().mean() > 0.9 and fast[f"{name}_diff_low"].notna().mean() > 0.9
+        assert (fast[f"{name}_status"] == "ok").mean() > 0.9
     assert fast.explain_codes.map(len).min() > 0 and fast.detection_codes.map(len).min() > 0
     pd.testing.assert_frame_equal(fast, slow, check_exact=True)
     pd.testing.assert_frame_equal(fast_returned, slow_returned, check_exact=True, check_dtype=False)

@@ -82,7 +82,8 @@ def test_file_size_limit_while_writing(gpt2_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atlas"]
 
 
-CHECKPOINTING = [*SCAN, "--max-tokens", "700", "--checkpoint-every", "200", "--batch-size", "1", "--block-documents", "1"]
+CHECKPOINTING = [*SCAN, "--max-tokens", "700", "--checkpoint-every", "200", "--batch-size", "1", "--block-documents", "1",
+                 "--random-samples", "20"]  # the checkpoint sizes below (2.8 MB) hold 20 random samples per layer
 
 
 def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(gpt2_dir, tmp_path):

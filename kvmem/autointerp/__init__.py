@@ -7,6 +7,8 @@ not called ``explain``, so that ``kvmem.explain`` stays the function); explainer
 storage: :mod:`kvmem.autointerp.store`. See docs/explanations.md.
 """
 
-from kvmem.autointerp.api import explain, explanations, score
+from kvmem.autointerp.api import explain, explanations
+from kvmem.autointerp.scoring import score
+from kvmem.autointerp.tidy import score_table
 
-__all__ = ["explain", "score", "explanations"]
+__all__ = ["explain", "score", "explanations", "score_table"]

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from kvmem.autointerp.evidence import ROW_COLUMNS, load_evidence, neuron_sides, sides_from_rows
 from kvmem.autointerp.layertable import read_contexts, read_layer
+from kvmem.autointerp.splits import split_window
 
 __all__ = ["layer_evidence"]
 
@@ -28,7 +29,7 @@ _NEEDS = {
     "samples": ["neuron", "kind", "bin", "rank", "activation", "doc", "pos", "context_activations"],
     "sample_contexts": ["doc", "pos", "context_tokens", "context_trigger"],
     "histograms": ["neuron", "counts"],
-    "values": ["neuron", "convention", "kind", "rank", "token"],
+    "values": ["neuron", "convention", "kind", "rank", "token_id", "token"],
 }
 
 
@@ -88,7 +89,7 @@ def layer_evidence(atlas, layer: int, neurons, *, sides=None, seed: int, held_ou
     low, high = edges[:-1], edges[1:]
     cut_t, cut_s, cut_h, cut_v = _cuts(triggers), _cuts(samples), _cuts(histograms), _cuts(values)
     trigger_rows, sample_rows = _lists(triggers), _lists(samples)
-    tokens, kinds = values.token.tolist(), values.kind.tolist()
+    tokens, kinds = list(zip(values.token_id.astype(int).tolist(), values.token.tolist())), values.kind.tolist()
     empty = slice(0, 0)
     out = {}
     for n in neurons:
@@ -99,7 +100,7 @@ def layer_evidence(atlas, layer: int, neurons, *, sides=None, seed: int, held_ou
             samples={c: col[cut_s.get(n, empty)] for c, col in sample_rows.items()}, counts=np.asarray(counts),
             low=low, high=high, promoted=tuple(t for t, k in zip(tokens[v], kinds[v]) if k == "promote"),
             suppressed=tuple(t for t, k in zip(tokens[v], kinds[v]) if k == "suppress"),
-            sides=chosen, seed=seed, held_out=held_out, convention=convention)
+            sides=chosen, seed=seed, held_out=held_out, window=split_window(atlas), convention=convention)
     return out
 
 

@@ -17,7 +17,8 @@ Examples of a side (one kept position each, with its stored context):
 A position kept twice is one example: a trigger first, then a random sample (its context
 coefficients are stored), then a bin sample.
 
-Each position's split comes from :func:`kvmem.autointerp.splits.held_out_mask` on its code. Context
+Each position's split comes from :func:`kvmem.autointerp.splits.held_out_mask` on its code (the whole
+window the scan read it in goes to one set). Context
 coefficients are stored for triggers and random samples (``activations``), not for bin samples.
 """
 
@@ -28,11 +29,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, held_out_mask
+from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, held_out_mask, held_out_tokens, split_window
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES, memory_sides
 
-__all__ = ["Example", "SideEvidence", "ACTIVE_LEVELS", "BANDS", "load_evidence", "neuron_sides", "sides_from_rows",
+__all__ = ["Example", "SideEvidence", "WrittenToken", "split_written", "ACTIVE_LEVELS", "BANDS", "load_evidence", "neuron_sides", "sides_from_rows",
            "frame_rows", "ROW_COLUMNS"]
 
 ACTIVE_LEVELS = (0.9, 0.99, 0.999)
@@ -58,13 +59,32 @@ class Example(NamedTuple):
     held_out: bool
 
 
+class WrittenToken(NamedTuple):
+    """A token of a value's projection: its vocabulary id, text and rank (0: strongest)."""
+
+    id: int
+    token: str
+    rank: int
+
+
+def split_written(pairs, *, seed: int, held_out: float) -> tuple[tuple[str, ...], tuple[WrittenToken, ...]]:
+    """(explain-set tokens, held-out :class:`WrittenToken`) of (token_id, token) pairs, strongest first, split by
+    :func:`~kvmem.autointerp.splits.held_out_tokens`."""
+    pairs = list(pairs)
+    held = held_out_tokens([i for i, _ in pairs], seed=seed, held_out=held_out) if pairs else []
+    return (tuple(t for (_, t), h in zip(pairs, held) if not h),
+            tuple(WrittenToken(int(i), t, r) for r, ((i, t), h) in enumerate(zip(pairs, held)) if h))
+
+
 @dataclass(frozen=True, kw_only=True)
 class SideEvidence:
     """What the atlas knows about one side: its examples and what its memory writes.
 
     writes: tokens the side's memory promotes (the value's promoted tokens for positive, its
-    suppressed tokens for negative), strongest first;  opposes: the tokens it pushes down;
-    threshold: the side activation at which it counts as firing; convention: of ``writes``.
+    suppressed tokens for negative), strongest first, of the explain set (what explainers see);
+    opposes: the tokens it pushes down, likewise;  held_writes, held_opposes: the held-out ones
+    (:func:`split_written`; the output scorer's);  threshold: the side activation at which it counts as
+    firing; convention: of the written tokens.
     """
 
     layer: int
@@ -75,6 +95,8 @@ class SideEvidence:
     opposes: tuple[str, ...]
     threshold: float
     convention: str
+    held_writes: tuple[WrittenToken, ...] = ()
+    held_opposes: tuple[WrittenToken, ...] = ()
 
     def part(self, *, held_out: bool) -> list[Example]:
         return [e for e in self.examples if e.held_out == held_out]
@@ -123,24 +145,27 @@ def load_evidence(atlas, layer: int, neuron: int, *, sides=None, seed: int = DEF
         raise KvmemError(f"explanations are scored against non-activating samples and {error}") from None
     histogram = atlas.histogram(layer, neuron)
     values = atlas.values(layer, neuron, convention=convention)
-    promoted = tuple(values[values.kind == "promote"].sort_values("rank").token)
-    suppressed = tuple(values[values.kind == "suppress"].sort_values("rank").token)
+    promoted = [(int(i), t) for i, t in values[values.kind == "promote"].sort_values("rank")[["token_id", "token"]]
+                .itertuples(index=False)]
+    suppressed = [(int(i), t) for i, t in values[values.kind == "suppress"].sort_values("rank")[["token_id", "token"]]
+                  .itertuples(index=False)]
     return sides_from_rows(layer, neuron, triggers=frame_rows(atlas.triggers(layer, neuron)), samples=frame_rows(samples),
                              counts=histogram["count"].to_numpy(), low=histogram.low.to_numpy(),
                              high=histogram.high.to_numpy(), promoted=promoted, suppressed=suppressed, sides=sides,
-                             seed=seed, held_out=held_out, convention=convention)
+                             seed=seed, held_out=held_out, window=split_window(atlas), convention=convention)
 
 
 def sides_from_rows(layer: int, neuron: int, *, triggers: dict, samples: dict, counts, low, high, promoted, suppressed,
-                    sides, seed: int, held_out: float, convention: str) -> list[SideEvidence]:
+                    sides, seed: int, held_out: float, window: int, convention: str) -> list[SideEvidence]:
     """The sides' evidence from one neuron's rows: ``triggers`` and ``samples`` as :func:`frame_rows` of the frames
     :meth:`Atlas.triggers` and :meth:`Atlas.samples` return, its histogram ``counts`` [bins] with bin edges ``low``,
-    ``high`` [bins], and the value's promoted and suppressed tokens (strongest first)."""
+    ``high`` [bins], and the value's promoted and suppressed tokens ((token_id, token) pairs, strongest first); ``window``: tokens per split
+    unit (:func:`~kvmem.autointerp.splits.held_out_mask`)."""
     counts = np.asarray(counts, np.float64)
     cumulative = np.cumsum(counts) / max(counts.sum(), 1.0)
     codes = np.asarray([(int(d) << 32) | int(p) for d, p in zip(triggers["doc"] + samples["doc"],
                                                                 triggers["pos"] + samples["pos"])], np.int64)
-    split = dict(zip(codes.tolist(), held_out_mask(codes, seed=seed, held_out=held_out).tolist()))
+    split = dict(zip(codes.tolist(), held_out_mask(codes, seed=seed, held_out=held_out, window=window).tolist()))
     with_context = [i for i, t in enumerate(samples["context_tokens"]) if t is not None and len(t) > 0]
     sample_kind = samples["kind"]
     random_rows = [i for i in with_context if sample_kind[i] == "random"]
@@ -172,6 +197,9 @@ def sides_from_rows(layer: int, neuron: int, *, triggers: dict, samples: dict, c
                            split=split):
             examples.setdefault(e.code, e)
         writes, opposes = (promoted, suppressed) if sign > 0 else (suppressed, promoted)
+        writes, held_writes = split_written(writes, seed=seed, held_out=held_out)
+        opposes, held_opposes = split_written(opposes, seed=seed, held_out=held_out)
         out.append(SideEvidence(layer=layer, neuron=neuron, side=side, examples=tuple(examples.values()),
-                                writes=writes, opposes=opposes, threshold=threshold, convention=convention))
+                                writes=writes, opposes=opposes, threshold=threshold, convention=convention,
+                                held_writes=held_writes, held_opposes=held_opposes))
     return out

@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvmem.autointerp.evidence import ACTIVE_LEVELS, BANDS, Example, SideEvidence
+from kvmem.autointerp.evidence import ACTIVE_LEVELS, BANDS, Example, SideEvidence, split_written
 from kvmem.autointerp.rules import normalize
-from kvmem.autointerp.splits import held_out_mask
+from kvmem.autointerp.splits import held_out_mask, split_window
 from kvmem.errors import KvmemError
 from kvmem.experiments.common import SIDES
 
@@ -38,7 +38,7 @@ _NEEDS = {
     "samples": ["layer", "neuron", "kind", "bin", "activation", "doc", "pos", "context_activations"],
     "contexts": ["doc", "pos", "context_tokens", "context_trigger"],
     "histograms": ["layer", "neuron", "counts"],
-    "values": ["layer", "neuron", "convention", "kind", "rank", "token"],
+    "values": ["layer", "neuron", "convention", "kind", "rank", "token_id", "token"],
 }
 
 
@@ -124,7 +124,7 @@ class LayerExamples:
     """The examples of S neuron sides of one layer (E examples, grouped by side, in each side's order).
 
     Sides [S]: ``neuron``, ``side`` (names), ``sign`` (+1 / -1), ``threshold``, ``writes`` / ``opposes``
-    (token tuples). Examples [E]: ``owner`` (the side), ``code``, ``band`` (index into
+    (explain-set token tuples), ``held_writes`` / ``held_opposes`` (held-out :class:`WrittenToken` tuples). Examples [E]: ``owner`` (the side), ``code``, ``band`` (index into
     :data:`~kvmem.autointerp.evidence.BANDS`), ``ctx`` (row of ``contexts``), ``index`` (the kept token),
     ``activation`` (side activation), ``src`` (its row of ``source_acts`` [rows, W], the stored context
     coefficients m_i of the layer's trigger and sample rows, float32 as stored, NaN past the end; read
@@ -138,6 +138,8 @@ class LayerExamples:
     threshold: np.ndarray
     writes: list
     opposes: list
+    held_writes: list
+    held_opposes: list
     owner: np.ndarray
     code: np.ndarray
     band: np.ndarray
@@ -173,7 +175,8 @@ class LayerExamples:
                                         float(self.activation[e]), acts, bool(self.active[e]), bool(self.held[e])))
             out.append(SideEvidence(layer=self.layer, neuron=int(self.neuron[s]), side=self.side[s],
                                     examples=tuple(examples), writes=self.writes[s], opposes=self.opposes[s],
-                                    threshold=float(self.threshold[s]), convention=self.convention))
+                                    threshold=float(self.threshold[s]), convention=self.convention,
+                                    held_writes=self.held_writes[s], held_opposes=self.held_opposes[s]))
         return out
 
 
@@ -223,12 +226,13 @@ def read_layer(atlas, layer: int, neurons, *, sides, seed: int, held_out: float,
     vkind = np.asarray(vals.column("kind").to_numpy(zero_copy_only=False), dtype=object)[vrows]
     vrank = np.asarray(vals.column("rank").to_numpy(), np.int64)[vrows]
     vtoken = np.asarray(vals.column("token").to_numpy(zero_copy_only=False), dtype=object)[vrows]
+    vid = np.asarray(vals.column("token_id").to_numpy(), np.int64)[vrows]
     order = np.lexsort((vrank, vkind, vneuron))
     promoted = {int(n): [] for n in neurons}
     suppressed = {int(n): [] for n in neurons}
-    for n, k, t in zip(vneuron[order].tolist(), vkind[order].tolist(), vtoken[order].tolist()):
+    for n, k, i, t in zip(vneuron[order].tolist(), vkind[order].tolist(), vid[order].tolist(), vtoken[order].tolist()):
         if k in ("promote", "suppress"):
-            (promoted if k == "promote" else suppressed)[n].append(t)
+            (promoted if k == "promote" else suppressed)[n].append((i, t))
     # the source rows: the triggers, then the samples; every example points at one of them
     acts_t, len_t = _padded(trig.column("context_activations"), width=contexts.width, dtype=np.float32)
     acts_s, len_s = _padded(samp.column("context_activations"), width=contexts.width, dtype=np.float32)
@@ -246,7 +250,7 @@ def read_layer(atlas, layer: int, neurons, *, sides, seed: int, held_out: float,
     samp_bin = np.asarray(samp.column("bin").to_numpy(), np.int64)
     with_context = contexts.length[ctx[n_trig:]] > 0
     unique_codes, inverse = np.unique(code, return_inverse=True)
-    source["held"] = held_out_mask(unique_codes, seed=seed, held_out=held_out)[inverse]
+    source["held"] = held_out_mask(unique_codes, seed=seed, held_out=held_out, window=split_window(atlas))[inverse]
     random_rows = n_trig + np.flatnonzero(with_context & (samp_kind == "random"))
     bin_rows = np.flatnonzero(with_context & (samp_kind == "bin"))
     parts, thresholds = [], []
@@ -280,16 +284,21 @@ def read_layer(atlas, layer: int, neurons, *, sides, seed: int, held_out: float,
     n_sides = len(neurons) * len(sides)
     side_sign = np.tile([SIDES[side][2] for side in sides], len(neurons)).astype(np.int64)
     src = merged["src"]
-    writes, opposes = [], []
+    writes, opposes, held_writes, held_opposes = [], [], [], []
     for n in neurons.tolist():
+        up = split_written(promoted[n], seed=seed, held_out=held_out)
+        down = split_written(suppressed[n], seed=seed, held_out=held_out)
         for side in sides:
-            up, down = tuple(promoted[n]), tuple(suppressed[n])
-            writes.append(up if SIDES[side][2] > 0 else down)
-            opposes.append(down if SIDES[side][2] > 0 else up)
+            first, second = (up, down) if SIDES[side][2] > 0 else (down, up)
+            writes.append(first[0])
+            opposes.append(second[0])
+            held_writes.append(first[1])
+            held_opposes.append(second[1])
     example_ctx = source["ctx"][src]
     return LayerExamples(
         layer=int(layer), neuron=np.repeat(neurons, len(sides)), side=list(sides) * len(neurons), sign=side_sign,
-        threshold=np.stack(thresholds, axis=1).ravel(), writes=writes, opposes=opposes,
+        threshold=np.stack(thresholds, axis=1).ravel(), writes=writes, opposes=opposes, held_writes=held_writes,
+        held_opposes=held_opposes,
         owner=merged["owner"], code=source["code"][src], band=merged["band"], ctx=example_ctx,
         index=contexts.trigger[example_ctx], activation=side_sign[merged["owner"]] * source["activation"][src],
         src=src, source_acts=np.concatenate([acts_t, acts_s]), has_acts=source["has_acts"][src],

@@ -12,7 +12,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-__all__ = ["Prompt", "PROMPTS", "render_context", "parse_yes_no", "parse_simulation", "parse_explanation"]
+__all__ = ["Prompt", "PROMPTS", "render_context", "parse_yes_no", "parse_choice", "parse_simulation",
+           "parse_explanation"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,27 @@ PROMPTS: dict[str, Prompt] = {p.name: p for p in (
         "You check an explanation of a unit inside a language model. Given the explanation and a text with one "
         "token wrapped in << >>, say whether the unit fires on that highlighted token. Answer only yes or no."),
         user="Explanation: {explanation}\n\nText: {context}\n\nDoes the unit fire on the highlighted token? yes or no:"),
+    Prompt(name="detection-window", version="1", system=(
+        "You check an explanation of a unit inside a language model. Given the explanation and a text, say "
+        "whether the unit fires anywhere in the text. Answer only yes or no."),
+        user="Explanation: {explanation}\n\nText: {context}\n\nDoes the unit fire anywhere in this text? yes or no:"),
+    Prompt(name="fuzzing-window", version="1", system=(
+        "You check an explanation of a unit inside a language model. Given the explanation and a text in which "
+        "some tokens are wrapped in << >>, say whether the unit fires on the highlighted tokens. Answer only yes "
+        "or no."),
+        user="Explanation: {explanation}\n\nText: {context}\n\nDoes the unit fire on the highlighted tokens? yes or "
+             "no:"),
+    Prompt(name="output", version="1", system=(
+        "You check an explanation of a unit inside a language model. When the unit fires it makes some tokens "
+        "more likely as the next token. Given the explanation and one token, say whether the unit makes that "
+        "token more likely. Answer only yes or no."),
+        user="Explanation: {explanation}\n\nToken: {token}\n\nDoes the unit make this token more likely? yes or no:"),
+    Prompt(name="intervention", version="1", system=(
+        "You check an explanation of a unit inside a language model. A text was continued twice: once as the "
+        "model wrote it, once with the unit switched on. Given the explanation, say which continuation had the "
+        "unit switched on. Answer only 1 or 2."),
+        user="Explanation: {explanation}\n\nText: {context}\n\nContinuation 1: {first}\nContinuation 2: {second}\n\n"
+             "Which continuation had the unit switched on? 1 or 2:"),
     Prompt(name="simulation", version="1", system=(
         "You predict a unit inside a language model from an explanation. For each numbered token, predict how "
         "strongly the unit fires on it, from 0 (not at all) to 10 (as strongly as it ever does). Answer with "
@@ -57,11 +79,13 @@ PROMPTS: dict[str, Prompt] = {p.name: p for p in (
 )}
 
 
-def render_context(tokens, highlight: int | None = None, strengths=None) -> str:
-    """The tokens joined into text; ``highlight`` wrapped in << >>; ``strengths`` [T] 0-10 shown as [n] where > 0."""
+def render_context(tokens, highlight=None, strengths=None) -> str:
+    """The tokens joined into text; ``highlight`` (an index or a set of them) wrapped in << >>; ``strengths`` [T]
+    0-10 shown as [n] where > 0."""
+    marked = set() if highlight is None else ({highlight} if isinstance(highlight, int) else set(highlight))
     parts = []
     for i, token in enumerate(tokens):
-        piece = f"<<{token}>>" if i == highlight else token
+        piece = f"<<{token}>>" if i in marked else token
         if strengths is not None and strengths[i] > 0:
             piece += f"[{int(strengths[i])}]"
         parts.append(piece)
@@ -76,6 +100,15 @@ def parse_yes_no(answer: str) -> bool:
     """True for an answer whose first yes/no word is yes; anything else is no."""
     found = _YES_NO.search(answer or "")
     return bool(found) and found.group(1).lower() == "yes"
+
+
+_CHOICE = re.compile(r"\b([12])\b")
+
+
+def parse_choice(answer: str) -> int | None:
+    """0 for an answer whose first 1-or-2 is 1, 1 for 2, None when it names neither."""
+    found = _CHOICE.search(answer or "")
+    return None if not found else int(found.group(1)) - 1
 
 
 def parse_simulation(answer: str, n_tokens: int) -> tuple[list[float], int]:

@@ -11,6 +11,9 @@ Tokens are compared after :func:`normalize` (surrounding whitespace removed, low
 that is only whitespace stays as it is), which the rule records as ``"normalize": "strip-lower"``.
 JSON form: ``{"kind": "current_token", "tokens": [" the", " a"], "normalize": "strip-lower"}``
 (n-gram entries are lists).
+
+A rule may also say what the memory writes (the output side): ``"writes": ["count", "counts"]``, the
+normalised tokens its value promotes; :meth:`Rule.writes_token` applies it to a vocabulary token.
 """
 
 from __future__ import annotations
@@ -54,20 +57,27 @@ def key_at(kind: str, tokens, index: int):
 
 @dataclass(frozen=True, kw_only=True)
 class Rule:
-    """kind: one of :data:`RULE_KINDS`; tokens: normalised keys (str, or tuples for n-grams)."""
+    """kind: one of :data:`RULE_KINDS`; tokens: normalised keys (str, or tuples for n-grams);  writes: normalised
+    tokens the memory writes (its output side; empty when the rule says nothing about it)."""
 
     kind: str
     tokens: tuple
+    writes: tuple = ()
 
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:
             raise KvmemError(f"unknown rule kind {self.kind!r}; choose one of {', '.join(RULE_KINDS)}")
         object.__setattr__(self, "_keys", frozenset(self.tokens))
+        object.__setattr__(self, "_writes", frozenset(self.writes))
 
     def fires(self, tokens, index: int) -> bool:
         """Whether the rule fires at ``tokens[index]``."""
         key = key_at(self.kind, tokens, index)
         return key is not None and key in self._keys  # type: ignore[attr-defined]
+
+    def writes_token(self, token: str) -> bool:
+        """Whether the rule says the memory writes this vocabulary token (compared after :func:`normalize`)."""
+        return normalize(token) in self._writes  # type: ignore[attr-defined]
 
     def fires_all(self, tokens) -> list[bool]:
         """[T] whether the rule fires at each token of a context."""
@@ -86,7 +96,10 @@ class Rule:
 
     def to_json(self) -> str:
         tokens = [t if isinstance(t, str) else list(t) for t in self.tokens]
-        return json.dumps({"kind": self.kind, "tokens": tokens, "normalize": NORMALIZE}, ensure_ascii=False)
+        data = {"kind": self.kind, "tokens": tokens, "normalize": NORMALIZE}
+        if self.writes:
+            data["writes"] = list(self.writes)
+        return json.dumps(data, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str) -> Rule:
@@ -98,4 +111,7 @@ class Rule:
         if data.get("normalize", NORMALIZE) != NORMALIZE:
             raise KvmemError(f"rule normalisation {data['normalize']!r} is unknown; kvmem applies {NORMALIZE!r}")
         keys = tuple(normalize(t) if isinstance(t, str) else tuple(normalize(p) for p in t) for t in tokens)
-        return cls(kind=kind, tokens=keys)
+        writes = data.get("writes") or []
+        if not isinstance(writes, list) or not all(isinstance(t, str) for t in writes):
+            raise KvmemError(f"a rule's writes must be a list of tokens, got {writes!r}")
+        return cls(kind=kind, tokens=keys, writes=tuple(dict.fromkeys(normalize(t) for t in writes)))

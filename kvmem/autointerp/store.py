@@ -21,9 +21,9 @@ __all__ = ["FILE", "SCHEMA_VERSION", "KEY", "COLUMNS", "SCORE_FIELDS", "arrow_sc
            "upsert"]
 
 FILE = "explanations.parquet"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KEY = ("layer", "neuron", "side", "explainer")
-SCORER_NAMES = ("detection", "fuzzing", "simulation")
+SCORER_NAMES = ("detection", "fuzzing", "simulation", "output", "intervention", "embedding")
 
 BASE: dict[str, str] = {
     "layer": "int16, FFN layer",
@@ -40,22 +40,38 @@ BASE: dict[str, str] = {
     "explain_codes": "list<int64>, position codes (doc << 32 | pos) of the examples the explainer saw",
     "split_seed": "int64, seed of the explain / held-out split (kvmem.autointerp.splits)",
     "held_out": "float64, fraction of positions held out",
+    "split_window": "int32, tokens per split unit: the scanned window (every position of a window in one set; -1: "
+                    "split per position by an earlier kvmem, explain again)",
 }
-# per scorer S: S (the score), S_low / S_high (95% bootstrap interval), S_n (examples), S_judge,
-# S_codes (held-out position codes), S_baseline* (scored with another neuron's explanation),
-# S_baseline_from (that neuron), S_random_init* (the same neuron side of a random-init copy)
+# per scorer S: S (the score), S_low / S_high (95% interval), S_p (p-value under the side's permutation null),
+# S_n (examples), S_n_quiet (non-activating ones), S_status, S_protocol, S_metrics, S_judge, S_codes (held-out
+# position codes), S_baseline* (scored with another neuron's explanation), S_baseline_from (that neuron),
+# S_diff_low / S_diff_high (paired interval of S minus S_baseline), S_random_init* (the same neuron side of a
+# random-init copy). kvmem.autointerp.tidy.score_table gives the same as one row per side and scorer.
 SCORE_FIELDS: dict[str, str] = {
-    "": "float64, score: balanced accuracy (detection, fuzzing) or Pearson r (simulation); NaN if unscored",
-    "_low": "float64, lower end of its 95% bootstrap interval over examples",
+    "": "float64, score: balanced accuracy (detection, fuzzing, output), Pearson r (simulation), share of steered "
+        "continuations picked (intervention), AUC (embedding); NaN if unscored or not scorable (see S_status)",
+    "_low": "float64, lower end of its 95% interval (bootstrap over examples; simulation: the permutation null's "
+            "spread around the score)",
     "_high": "float64, upper end",
+    "_p": "float64, one-sided p-value of the score under a permutation null built for this side (scorers/nulls.py)",
     "_n": "int32, held-out examples scored (-1 if unscored)",
+    "_n_quiet": "int32, of them non-activating (detection; -1 where not counted)",
+    "_status": "string: ok | few-quiet (fewer non-activating examples than min_quiet: not scored) | few-examples | "
+               "'' (unscored)",
+    "_protocol": "string: kvmem | delphi | neuron-explainer (how the examples were built and the metric computed)",
+    "_metrics": "string, JSON of the protocol's other numbers (precision, recall, f1, auc; rsquared, "
+                "absolute_dev_explained)",
     "_judge": "string, who judged: tokens, hf:PATH or openai:URL, with its prompt versions",
     "_codes": "list<int64>, position codes of the held-out examples",
     "_baseline": "float64, the same examples judged with another neuron's explanation (seeded derangement in the layer)",
     "_baseline_low": "float64", "_baseline_high": "float64",
     "_baseline_from": "int32, the neuron whose explanation the baseline used (-1 if none)",
-    "_random_init": "float64, the score of this neuron side in a random-init copy of the model (same pipeline)",
-    "_random_init_low": "float64", "_random_init_high": "float64",
+    "_diff_low": "float64, 95% interval of the score minus the baseline, paired on the same examples",
+    "_diff_high": "float64, upper end",
+    "_random_init": "float64, the score of this neuron side in a random-init copy of the model (same pipeline; "
+                    "compare distributions, not rows)",
+    "_random_init_low": "float64", "_random_init_high": "float64", "_random_init_p": "float64",
 }
 COLUMNS: dict[str, str] = {**BASE, **{f"{s}{suffix}": text for s in SCORER_NAMES for suffix, text in SCORE_FIELDS.items()}}
 
@@ -88,11 +104,11 @@ def empty() -> pd.DataFrame:
 
 def complete(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with every column of :data:`COLUMNS` (missing ones at their 'unscored' default), in order."""
-    frame = frame.copy()
-    for name, value in _defaults().items():
-        if name not in frame.columns:
-            frame[name] = [value if value is not None else [] for _ in range(len(frame))]
-    return frame[list(COLUMNS)]
+    missing = {name: [value if value is not None else [] for _ in range(len(frame))]
+               for name, value in _defaults().items() if name not in frame.columns}
+    if missing:
+        frame = pd.concat([frame.reset_index(drop=True), pd.DataFrame(missing)], axis=1).set_axis(frame.index)
+    return frame[list(COLUMNS)].copy()
 
 
 def read(atlas_path) -> pd.DataFrame:

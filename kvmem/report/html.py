@@ -245,13 +245,16 @@ def _explanations(data: dict) -> str:
     for e in entries:
         for name, s in (e["scores"] or {"": None}).items():
             rows.append(f"<tr><td>{esc(e['side'])}</td><td>{esc(e['explainer'])}</td><td>{esc(e['text'])}</td>"
-                        f'<td>{esc(name)}</td><td class="num">{cell(s)}</td><td class="num">{cell(s, "baseline")}</td>'
-                        f'<td class="num">{cell(s, "random_init")}</td></tr>')
-    return ("<h2>Explanations</h2><p>Scored on held-out examples the explainer never saw: score [95% bootstrap "
-            "interval]; baseline: the same examples judged with another neuron's explanation of this layer.</p>"
+                        f'<td>{esc(name)}</td><td class="num">{cell(s)}</td>'
+                        f'<td class="num">{"–" if not s or s.get("p") is None else format(s["p"], ".3g")}</td>'
+                        f'<td class="num">{cell(s, "baseline")}</td><td>{esc(s.get("random_init_text", "") if s else "") or "–"}</td>'
+                        "</tr>")
+    return ("<h2>Explanations</h2><p>Scored on held-out examples the explainer never saw: score [95% interval], p "
+            "under the side's permutation null; baseline: the same examples judged with another neuron's explanation "
+            "of this layer; random-init: the layer's sides scored in a random-init copy, as a population.</p>"
             '<table class="bt"><tr><th>side</th><th>explainer</th><th>explanation</th><th>scorer</th>'
-            f'<th class="num">score</th><th class="num">baseline</th><th class="num">random-init</th></tr>{"".join(rows)}'
-            "</table>")
+            f'<th class="num">score</th><th class="num">p</th><th class="num">baseline</th><th>random-init</th></tr>'
+            f'{"".join(rows)}</table>')
 
 
 def render_neuron(data: dict, figures: list) -> str:

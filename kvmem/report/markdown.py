@@ -124,15 +124,20 @@ def _explanations(data: dict) -> list[str]:
         low, high = s[f"{key}_low" if key else "low"], s[f"{key}_high" if key else "high"]
         return "–" if value is None else f"{value:.2f} [{fmt(low, '.2f')}, {fmt(high, '.2f')}]"
 
+    def p_cell(s: dict | None) -> str:
+        return "–" if not s or s.get("p") is None else f"{s['p']:.3g}"
+
     rows = []
     for e in entries:
         for name, s in (e["scores"] or {"": None}).items():
             rows.append([md_text(e["side"]), md_text(e["explainer"]), md_text(e["text"]), md_text(name),
-                         cell(s) if s else "–", cell(s, "baseline") if s else "–", cell(s, "random_init") if s else "–"])
+                         cell(s) if s else "–", p_cell(s), cell(s, "baseline") if s else "–",
+                         md_text(s.get("random_init_text") or "–") if s else "–"])
     return ["", "## Explanations", "",
-            "Scored on held-out examples the explainer never saw; score [95% bootstrap interval]. Baseline: the same "
-            "examples judged with another neuron's explanation of this layer.", "",
-            _table(["side", "explainer", "explanation", "scorer", "score", "baseline", "random-init"], rows)]
+            "Scored on held-out examples the explainer never saw; score [95% interval], p under the side's "
+            "permutation null. Baseline: the same examples judged with another neuron's explanation of this layer. "
+            "Random-init: the layer's sides scored in a random-init copy, as a population.", "",
+            _table(["side", "explainer", "explanation", "scorer", "score", "p", "baseline", "random-init"], rows)]
 
 
 def write_neuron(record, data: dict, out: Path, stem: str) -> Path:

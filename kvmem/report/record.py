@@ -33,8 +33,10 @@ Numbers are JSON numbers; NaN and infinities are ``null``. Fields::
                   present only when the atlas has one (``kvmem taxonomy --atlas A`` writes it)
     explanations  [explanation] from the atlas's explanations.parquet (kvmem explain / kvmem score), [] if none;
                   explanation = {layer, neuron, side, explainer, explainer_model, prompt_version, prompt_hash, text,
-                  rule (JSON or null), scores: {scorer: {score, low, high, n, judge, baseline, baseline_low,
-                  baseline_high, baseline_from, random_init, random_init_low, random_init_high}}}
+                  rule (JSON or null), scores: {scorer: {score, low, high, p, n, n_quiet, status, protocol, judge,
+                  baseline, baseline_low, baseline_high, baseline_from, diff_low, diff_high, random_init,
+                  random_init_low, random_init_high, random_init_population: {n, q1, median, q3, share_below} or
+                  null, random_init_text}}} (kvmem.autointerp.display.explanation_dicts)
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ def _number(value):
     return float(f"{value:.7g}") if math.isfinite(value) else None
 
 
-def neuron_data(atlas, layer: int, neuron: int, *, record=None, explanations=None) -> dict:
+def neuron_data(atlas, layer: int, neuron: int, *, record=None, explanations=None, population=None) -> dict:
     """The ``kvmem.neuron/1`` dict of one neuron (``record``: its :class:`NeuronRecord`, if already read;
-    ``explanations``: its rows of the explanations table, if already read)."""
-
+    ``explanations``: its rows of the explanations table, if already read; ``population``: the rows of its
+    layer, for the random-init population of each score)."""
     record = record if record is not None else atlas.neuron(layer, neuron)
     manifest = atlas.manifest
     model = manifest.model
@@ -108,7 +110,7 @@ def neuron_data(atlas, layer: int, neuron: int, *, record=None, explanations=Non
     taxonomy = _taxonomy(atlas, layer, neuron)
     if taxonomy is not None:
         data["taxonomy"] = taxonomy
-    data["explanations"] = _explanations(atlas, layer, neuron, explanations)
+    data["explanations"] = _explanations(atlas, layer, neuron, explanations, population)
     return data
 
 
@@ -125,10 +127,15 @@ def _taxonomy(atlas, layer: int, neuron: int) -> dict | None:
             if name not in ("layer", "neuron")}
 
 
-def _explanations(atlas, layer: int, neuron: int, frame=None) -> list[dict]:
+def _explanations(atlas, layer: int, neuron: int, frame=None, population=None) -> list[dict]:
+    """The neuron's explanations (``frame``: its rows, if already read) with the random-init population of its
+    layer (``population``: the layer's rows, read here when neither is given)."""
     from kvmem.autointerp.display import explanation_dicts
 
-    rows = explanation_dicts(atlas.explanations(layer, neuron) if frame is None else frame)
+    if frame is None:
+        frame = atlas.explanations(layer, neuron)
+        population = atlas.explanations(layer) if population is None else population
+    rows = explanation_dicts(frame, population=population)
     return [{k: clean(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
 
 

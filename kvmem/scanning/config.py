@@ -44,7 +44,8 @@ class ScanConfig:
     sort_by_length:   read each block's windows longest first, a document's shorter last window among
                       windows of its length (far less padding; with per_document, documents shortest
                       first, which keeps each document's windows together)
-    random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.state
+    random_samples:   positions in each layer's uniform random sample (0 = none), see kvmem.scanning.state;
+                      the explanation scorers' non-activating examples (100: about 45 held-out quiet ones per side)
     bin_samples:      positions kept per neuron and histogram bin, for quantile samples (0 = none)
     sample_rate:      fraction of positions the bin samples draw from (bounds their per-token cost)
     seed:             seed of the samples' position keys
@@ -71,7 +72,7 @@ class ScanConfig:
     shard: tuple[int, int] = (0, 1)
     block_documents: int | None = None
     sort_by_length: bool = True
-    random_samples: int = 20
+    random_samples: int = 100
     bin_samples: int = 4
     sample_rate: float = 0.125
     seed: int = 0

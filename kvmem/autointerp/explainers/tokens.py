@@ -7,7 +7,8 @@ non-activating (``neg_k``) examples, and keeps the keys whose gain
 key), strongest first, at most ``max_tokens`` of them. Each example has one key, so the balanced
 accuracy of the set on the explain examples is ``0.5 + Σ gain / 2``; the kind with the highest wins
 (ties: the simpler kind, in the order of ``RULE_KINDS``). The text appends what the memory writes
-(its promoted tokens), so a reader sees both halves of the key-value pair.
+(its strongest written tokens of the explain set), and the rule records them (``writes``), so a
+reader and the output scorer see both halves of the key-value pair.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvmem.autointerp.explanation import Explanation
-from kvmem.autointerp.rules import RULE_KINDS, Rule, key_at
+from kvmem.autointerp.rules import RULE_KINDS, Rule, key_at, normalize
 from kvmem.autointerp.vectorised import explain_layer
 from kvmem.errors import KvmemError
 
@@ -50,7 +51,7 @@ class TokensExplainer:
 
     max_tokens: int = 6
     min_support: int = 2
-    writes: int = 5
+    writes: int = 8
     name: str = "tokens"
     model: str = ""
     fingerprint: str = ""
@@ -80,8 +81,10 @@ class TokensExplainer:
             rule, score = Rule(kind="current_token", tokens=()), float("nan")
         else:
             rule, score = fit_rule(active, inactive, max_tokens=self.max_tokens, min_support=self.min_support)
+        written = side.writes[:self.writes]
+        rule = Rule(kind=rule.kind, tokens=rule.tokens, writes=tuple(dict.fromkeys(normalize(t) for t in written)))
         text = rule.text[0].upper() + rule.text[1:]
-        if side.writes and self.writes:
-            text += "; it writes " + ", ".join(repr(t) for t in side.writes[:self.writes])
+        if written:
+            text += "; it writes " + ", ".join(repr(t) for t in written)
         return Explanation(layer=side.layer, neuron=side.neuron, side=side.side, text=text, rule=rule.to_json(),
                            explainer=self.name, explain_codes=tuple(e.code for e in seen), explain_score=score)

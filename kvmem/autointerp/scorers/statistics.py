@@ -14,8 +14,11 @@ from functools import lru_cache
 
 import numpy as np
 
+from kvmem.experiments.stats import average_ranks
+
 __all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
-           "moment_sums", "pearson_from", "bootstrap_many", "N_BOOT", "LEVEL"]
+           "moment_sums", "pearson_from", "bootstrap_many", "paired_bootstrap", "classification_metrics",
+           "rank_auc", "resample_counts", "N_BOOT", "LEVEL"]
 
 N_BOOT = 1000
 LEVEL = 0.95
@@ -50,7 +53,9 @@ def pearson(x, y, weights=None) -> np.ndarray:
 
 def group_sums(groups, columns) -> np.ndarray:
     """[G, k]: the sum of each of ``columns`` ([N] arrays) over the items of each group (``groups`` [N] ints)."""
-    groups = np.unique(np.asarray(groups), return_inverse=True)[1]
+    groups = np.asarray(groups, np.int64)
+    if len(groups) and (groups.min() != 0 or not np.bincount(groups).all()):  # not already 0..G-1
+        groups = np.unique(groups, return_inverse=True)[1]
     n = int(groups.max()) + 1 if len(groups) else 0
     return np.stack([np.bincount(groups, weights=np.asarray(c, np.float64), minlength=n) for c in columns], axis=1)
 
@@ -87,7 +92,7 @@ def pearson_from(sums) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _counts(n: int, n_boot: int, seed: int) -> np.ndarray:
+def resample_counts(n: int, n_boot: int, seed: int) -> np.ndarray:
     """[n_boot, n] multinomial counts of n groups drawn with replacement, seeded by (seed, n); read-only, shared."""
     rng = np.random.default_rng([seed, n])
     draws = rng.integers(0, n, size=(n_boot, n)) + (np.arange(n_boot) * n)[:, None]
@@ -105,7 +110,7 @@ def bootstrap(statistic, sums, *, n_boot: int = N_BOOT, level: float = LEVEL, se
     n = len(sums)
     if n == 0:
         return float("nan"), float("nan")
-    values = np.asarray(statistic(_counts(n, n_boot, seed) @ sums), np.float64)
+    values = np.asarray(statistic(resample_counts(n, n_boot, seed) @ sums), np.float64)
     values = values[np.isfinite(values)]
     if not len(values):
         return float("nan"), float("nan")
@@ -127,7 +132,7 @@ def bootstrap_many(statistic, sums_list, *, n_boot: int = N_BOOT, level: float =
         if len(sums):
             by_size.setdefault(len(sums), []).append(i)
     for n, all_members in by_size.items():
-        counts = _counts(n, n_boot, seed)
+        counts = resample_counts(n, n_boot, seed)
         for begin in range(0, len(all_members), batch):
             members = all_members[begin:begin + batch]
             k = np.shape(sums_list[members[0]])[-1]
@@ -150,3 +155,46 @@ def bootstrap_many(statistic, sums_list, *, n_boot: int = N_BOOT, level: float =
                 if len(kept):
                     low[members[r]], high[members[r]] = np.quantile(kept, [tail, 1 - tail])
     return low, high
+
+
+def paired_bootstrap(statistic, sums_a, sums_b, *, n_boot: int = N_BOOT, level: float = LEVEL,
+                     seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of ``statistic(a) - statistic(b)`` where a and b are per-group sums [G, k] of the SAME
+    groups (a score and its baseline on the same examples): each replicate draws the groups once for both
+    (the draws of :func:`bootstrap`, seeded by (seed, G)). (NaN, NaN) when no replicate is finite."""
+    sums_a, sums_b = np.asarray(sums_a, np.float64), np.asarray(sums_b, np.float64)
+    n = len(sums_a)
+    if n == 0 or len(sums_b) != n:
+        return float("nan"), float("nan")
+    counts = resample_counts(n, n_boot, seed)
+    values = np.asarray(statistic(counts @ sums_a), np.float64) - np.asarray(statistic(counts @ sums_b), np.float64)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return float("nan"), float("nan")
+    tail = (1 - level) / 2
+    low, high = np.quantile(values, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+def classification_metrics(totals, *, undefined: float = float("nan")) -> dict:
+    """precision, recall, f1 and balanced accuracy of confusion totals (tp, fn, tn, fp); ``undefined`` where a
+    ratio has no denominator (kvmem: NaN; Delphi's ``compute_classification_metrics``: 0)."""
+    tp, fn, tn, fp = (float(v) for v in np.asarray(totals, np.float64))
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else undefined
+
+    precision, recall, tnr = ratio(tp, tp + fp), ratio(tp, tp + fn), ratio(tn, tn + fp)
+    f1 = ratio(2 * precision * recall, precision + recall) if np.isfinite(precision + recall) else undefined
+    return {"precision": precision, "recall": recall, "f1": f1, "balanced_accuracy": (recall + tnr) / 2}
+
+
+def rank_auc(score, truth) -> float:
+    """Area under the ROC curve of ``score`` [N] for bool ``truth`` [N] (Mann-Whitney, ties count half); NaN when a
+    class is empty. For 0/1 scores it equals the balanced accuracy."""
+    score, truth = np.asarray(score, np.float64), np.asarray(truth, bool)
+    positives, negatives = int(truth.sum()), int((~truth).sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    ranks = average_ranks(score)
+    return float((ranks[truth].sum() - positives * (positives + 1) / 2) / (positives * negatives))
