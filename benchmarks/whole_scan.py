@@ -9,8 +9,6 @@ checks it against a separately loaded HF model to the bit), without a KV cache. 
 the figure is the median of each. The ratio is bare seconds / scan seconds (1.0 = the scan costs
 no more than reading the corpus with the model). The first scan of a model also fills the
 per-model projection cache; it is reported apart (``--cold`` uses an empty cache for it).
-The process keeps freed memory as the ``kvmem`` command does (:func:`kvmem.allocator.keep_freed_memory`;
-``--default-allocator``: glibc's default, as a plain ``kvmem.scan`` in a notebook gets), for both.
 
     python benchmarks/whole_scan.py --model smollm2-135m --tokens 20000 [--cold]
 """
@@ -29,7 +27,6 @@ import torch
 from common import Timer, machine, peak_rss_mb
 
 import kvmem
-from kvmem.allocator import keep_freed_memory
 from kvmem.plan import StreamPosition, iterate_batches
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.runner import token_plan
@@ -66,10 +63,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="first scan with an empty projection cache")
-    parser.add_argument("--default-allocator", action="store_true",
-                        help="leave glibc's default (freed memory handed back at once), unlike the kvmem command")
     args = parser.parse_args()
-    allocator = "default" if args.default_allocator or not keep_freed_memory() else "keeps freed memory"
 
     model = kvmem.load_model(args.model)
     out = tempfile.mkdtemp(prefix="kvmem-bench-")
@@ -97,9 +91,9 @@ def main() -> None:
               "runs": {"bare": [round(x, 2) for x in bare], "scan": [round(x, 2) for x in whole]},
               "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
               "first_warm_scan": {"seconds": round(whole[0], 1), "phases": phases[0]},
-              "backend": backend, "allocator": allocator, "atlas_mb": round(atlas_mb, 1),
+              "backend": backend, "atlas_mb": round(atlas_mb, 1),
               "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
-    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend, allocator {allocator}): whole scan {whole_s:.2f} s, bare forward {bare_s:.2f} s -> "
+    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend): whole scan {whole_s:.2f} s, bare forward {bare_s:.2f} s -> "
           f"ratio {result['ratio']:.2f}; phases {result['phases']}"
           + f"; the first warm scan in the process {whole[0]:.1f} s {phases[0]}"
           + (f"; first scan with an empty projection cache {cold} s" if cold else ""))

@@ -1,15 +1,28 @@
 """kvmem: read a transformer's feed-forward layers as key-value memories.
 
-Importing kvmem is cheap: torch, transformers and pandas load on first use, with the garbage
-collector paused while they do (:func:`kvmem.collector.collections_paused`).
+Importing kvmem is cheap: each public name below loads its module (and torch, transformers or
+pandas with it) on first use. Type checkers and IDEs read the same names from the imports under
+``TYPE_CHECKING``, with their real signatures.
 """
 
-from importlib import import_module
-from typing import Any
+from __future__ import annotations
 
-from kvmem.collector import collections_paused
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the names below, as type checkers and IDEs see them; _LAZY loads the same at run time
+    from kvmem import anatomy, corpus, experiments, export, plots, records, report
+    from kvmem.atlas import Atlas
+    from kvmem.atlas import open_atlas as open
+    from kvmem.autointerp import explain, score
+    from kvmem.errors import KvmemError
+    from kvmem.intervention import intervene
+    from kvmem.loading import load_model
+    from kvmem.models import Model
+    from kvmem.scanning import merge, scan
+    from kvmem.tracing import trace
 
 # public name -> (module, attribute); attribute None exports the module itself
 _LAZY: dict[str, tuple[str, str | None]] = {
@@ -34,15 +47,15 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "explore": ("kvmem.explorer", "explore"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "KvmemError", "load_model", "Model", "corpus", "anatomy", "scan", "merge", "open", "Atlas",
+           "trace", "intervene", "plots", "experiments", "report", "export", "records", "explain", "score"]
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'kvmem' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
-    with collections_paused():  # an import's objects live as long as the process: walking them frees nothing
-        module = import_module(module_name)
+    module = import_module(module_name)
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
     return value

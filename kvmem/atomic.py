@@ -1,15 +1,18 @@
 """Write a directory so that readers see the old one or the complete new one, never half of it; read a
 parquet file that a writer may be replacing by rename; hold a lock on an output for one process,
-or wait for one on a shared cache entry."""
+or wait for one on a shared cache entry (locks from ``filelock``, as the Hugging Face libraries use them)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import filelock
 
 from kvmem.errors import KvmemError
 
@@ -57,53 +60,52 @@ def read_replaced_parquet(path: str | os.PathLike):
 
 @contextmanager
 def held_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """Hold an exclusive advisory lock (``flock``) on the file ``path`` for the block, or raise
-    :class:`kvmem.errors.KvmemError` at once, naming the process that holds it.
+    """Hold an exclusive lock on the file ``path`` for the block, or raise :class:`kvmem.errors.KvmemError`
+    at once, naming the process that holds it.
 
-    ``what``: the thing the lock guards, for the message. The lock file holds the holder's pid and is
-    removed on exit; a lock file whose holder died is taken over (the kernel drops a dead process's lock).
+    ``what``: the thing the lock guards, for the message. The lock file holds its holder's pid and stays
+    in place after the block (as ``filelock`` leaves it, so that every process locks the same file); a
+    holder that died holds nothing (the operating system drops a dead process's lock).
     """
-    with _flocked(Path(path), wait=False, what=what):
+    lock = _lock(Path(path), timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise KvmemError(f"{what} is in use by a running kvmem (pid {_holder(Path(path))}); wait for it to finish, "
+                         f"or write somewhere else") from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 @contextmanager
 def waited_lock(path: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive advisory lock on the file ``path`` for the block, waiting for any other holder.
-    For shared caches: the first process builds an entry while the others wait, then find it built.
-    Raises OSError where the lock file cannot be created (a read-only cache)."""
-    with _flocked(Path(path), wait=True, what=str(path)):
+    """Hold an exclusive lock on the file ``path`` for the block, waiting for any other holder. For shared
+    caches: the first process builds an entry while the others wait, then find it built. Raises OSError
+    where the lock file cannot be created (a read-only cache)."""
+    with _lock(Path(path), timeout=-1):
         yield
 
 
-@contextmanager
-def _flocked(path: Path, *, wait: bool, what: str) -> Iterator[None]:
-    import fcntl
+_NATIVE = filelock.has_fcntl or sys.platform == "win32"  # else filelock's soft lock, which writes the pid itself
 
+
+def _lock(path: Path, *, timeout: float) -> filelock.BaseFileLock:
+    """A ``filelock`` lock on ``path`` (its directory made first); the holder's pid is the file's first line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        handle = open(path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise KvmemError(f"{what} is in use by a running kvmem (pid {holder}); wait for it to finish, or "
-                             f"write somewhere else") from None
-        try:
-            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:  # not a file that its last holder removed between our open and our lock
-            break
-        handle.close()
+    return filelock.FileLock(path, timeout=timeout, **({"on_acquired": _write_pid} if _NATIVE else {}))
+
+
+def _write_pid(descriptor: int) -> None:
+    os.ftruncate(descriptor, 0)
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    os.write(descriptor, str(os.getpid()).encode())
+
+
+def _holder(path: Path) -> str:
+    """The pid the lock file names (its first line), or "another process" where it cannot be read."""
     try:
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        handle.close()
+        return path.read_text().strip().partition("\n")[0] or "another process"
+    except OSError:
+        return "another process"

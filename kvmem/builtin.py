@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvmem import environment
 from kvmem.atomic import waited_lock
 from kvmem.errors import KvmemError
 
@@ -59,7 +60,7 @@ SCAN_BOS = {SMOLLM2: "<|endoftext|>"}
 
 def cache_dir() -> Path:
     """Where kvmem keeps converted models: ``$KVMEM_CACHE`` or ``~/.cache/kvmem``."""
-    return Path(os.environ.get("KVMEM_CACHE") or Path.home() / ".cache" / "kvmem")
+    return Path(environment.read("KVMEM_CACHE") or Path.home() / ".cache" / "kvmem")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

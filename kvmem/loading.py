@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvmem.architectures import check_config
 from kvmem.builtin import BUILTIN_ALIASES, BUILTIN_MODELS, SMOLLM2, gpt2_random_dir, sha256_file, smollm2_dir
-from kvmem.collector import collections_paused
 from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
 from kvmem.models import Model
@@ -151,14 +150,7 @@ def load_model(name_or_path: str | os.PathLike, *, device: Any = None, dtype: An
     >>> model = load_model("smollm2-135m")  # doctest: +SKIP
     >>> model.n_layers, model.d_ff, model.gated
     (30, 1536, True)
-
-    The garbage collector pauses while the model loads (:func:`kvmem.collector.collections_paused`).
     """
-    with collections_paused():
-        return _load_model(name_or_path, device=device, dtype=dtype, revision=revision)
-
-
-def _load_model(name_or_path: str | os.PathLike, *, device: Any, dtype: Any, revision: str | None) -> Model:
     torch_dtype = _dtype(dtype)
     target = resolve_device(device)  # checked before any weight is read
     name = str(name_or_path)

@@ -40,7 +40,8 @@ class Manifest:
     timing:         seconds per phase, total, batches, world size, this atlas's shard, merge sources
     engine:         the streaming ``backend`` (``numba``: compiled CPU kernels, ``torch``: torch ops), and the
                     ``device`` and ``dtype`` the model ran in; empty for atlases written before it was recorded
-    environment:    torch / transformers / transformer-lens versions, device, dtype
+    environment:    torch / transformers / transformer-lens versions, device, dtype, and ``variables``: kvmem's
+                    environment variables set during the scan (:data:`kvmem.environment.VARIABLES`)
     """
 
     format_version: int

@@ -226,7 +226,7 @@ def test_kill_inside_a_checkpoint_write_resumes_from_the_previous_one(where, gpt
 def test_a_second_scan_into_a_running_scans_out_is_refused(gpt2_dir, corpus, whole, tmp_path, capsys):
     """Two real processes: while a (slowed) scan runs, another scan into the same --out, with or without
     --overwrite or --resume, gets one line naming the running scan's pid and touches nothing; the first
-    finishes with the tables of an undisturbed scan, and its lock is gone."""
+    finishes with the tables of an undisturbed scan, and its lock is free again."""
     out = tmp_path / "atlas"
     argv = ["scan", "--model", str(gpt2_dir), "--corpus", str(corpus), "--out", str(out), *SETTINGS]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -248,7 +248,6 @@ def test_a_second_scan_into_a_running_scans_out_is_refused(gpt2_dir, corpus, who
         first.wait()
         first.stderr.close()
     assert_same_tables(whole, out)
-    assert not lock.exists()
     assert main([*argv, "--overwrite"]) == 0  # free again
 
 

@@ -150,6 +150,30 @@ def test_pair_ranks_in_blocks_equals_the_full_matrix():
         assert E.pair_ranks(vectors, basis, slots, tokens, block=block).tolist() == expected.tolist()
 
 
+def test_pair_ranks_by_counting_equal_the_ranks_of_a_full_argsort_ties_included():
+    """Integer scores (exact in float32, so numpy and the GEMM agree to the bit) with many ties, both signs
+    mixed on one row and repeated pairs: each rank is the first position, in a full descending argsort of
+    the row (ascending under -v), of the tokens tied with the pair's token, plus one."""
+    rng = np.random.default_rng(3)
+    vectors = torch.from_numpy(rng.integers(-3, 4, (29, 6)).astype(np.float32))
+    basis = torch.from_numpy(rng.integers(-2, 3, (6, 997)).astype(np.float32))
+    slots = rng.integers(0, 29, 600)
+    tokens = rng.integers(0, 997, 600)
+    signs = rng.choice([-1, 1], 600)
+    slots[:50], tokens[:50] = 4, tokens[0]  # one pair repeated, both signs
+    scores = vectors.numpy().astype(np.int64) @ basis.numpy().astype(np.int64)  # [29, 997] exact
+    expected = []
+    for slot, token, sign in zip(slots, tokens, signs):
+        row = scores[slot] * sign
+        order = np.argsort(-row, kind="stable")
+        position = np.empty(len(row), np.int64)
+        position[order] = np.arange(len(row))
+        expected.append(position[row == row[token]].min() + 1)
+    assert len(np.unique(scores[0])) < 60  # ties everywhere: 997 scores, under 60 values
+    for block in (1, 7, 29, 256):
+        assert E.pair_ranks(vectors, basis, slots, tokens, signs=signs, block=block).tolist() == expected
+
+
 def test_summarize_ranks_exact_quantiles():
     ranks = pd.DataFrame({"layer": [0] * 5 + [1] * 2, "token_rank": [1, 2, 3, 4, 100, 1, 1],
                           "shuffled_rank": [10, 20, 30, 40, 50, 7, 9]})

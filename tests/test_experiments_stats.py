@@ -65,6 +65,24 @@ def test_bootstrap_of_two_points_spans_its_known_distribution():
     assert (low, high) == (0.5, 0.5)
 
 
+def test_bootstrap_draws_kept_for_the_next_call_give_numpys_own_replicates():
+    """An experiment bootstraps many statistics over the same neurons with one seed; the draws are kept
+    between calls. Each call still gives the percentiles of the replicates numpy's multinomial draws for
+    that seed, whether the draws were kept (second call) or drawn now (a size over the cache's limit)."""
+    values = np.random.default_rng(2).random(300)
+    counts = np.random.default_rng(5).multinomial(300, np.full(300, 1 / 300), size=200).astype(np.float64)
+    expected = tuple(np.quantile((counts @ values) / counts.sum(axis=1), [0.025, 0.975]).tolist())
+    assert bootstrap_ci(values, n_boot=200, seed=5) == pytest.approx(expected, rel=1e-12, abs=0)
+    assert bootstrap_ci(values, n_boot=200, seed=5) == bootstrap_ci(values, n_boot=200, seed=5)
+    doubled = bootstrap_ci(2 * values, n_boot=200, seed=5)  # the kept draws, other values
+    assert doubled == pytest.approx((2 * expected[0], 2 * expected[1]), rel=1e-12, abs=0)
+    big = np.random.default_rng(3).random(5000)  # 5,000 groups x 1,000 replicates: drawn anew each call
+    counts = np.random.default_rng(0).multinomial(5000, np.full(5000, 1 / 5000), size=800).astype(np.float64)
+    means = (counts @ big) / counts.sum(axis=1)
+    assert bootstrap_ci(big, n_boot=800, seed=0) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975]).tolist()),
+                                                                  rel=1e-12, abs=0)
+
+
 def test_bootstrap_weighted_mean_and_median():
     # weights make it a ratio of sums; a single group is always drawn whole
     assert bootstrap_ci([0.5], weights=[10], n_boot=20) == (0.5, 0.5)

@@ -5,21 +5,18 @@ Each subcommand lives in its own module of this package with two functions:
 one line ``kvmem: error: ...`` and exit with status 2, and so do operating-system errors (a full
 disk while the atlas is written: :func:`kvmem.cli.output.os_error_line`); ``--debug`` shows the
 traceback. Output cut short by its reader (``| head``) ends quietly with status 141, as SIGPIPE
-would. The command keeps freed memory for reuse (:func:`kvmem.allocator.keep_freed_memory`): a
-model's forward then stops faulting its temporaries in again at every layer.
+would. The command leaves the process as Python runs it: no garbage-collector or allocator settings,
+and the interpreter's usual exit (profilers, coverage and ``atexit`` handlers see its end).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
 
-from kvmem.allocator import keep_freed_memory
-from kvmem.collector import freeze_survivors
 from kvmem.errors import KvmemError
 
 __all__ = ["main", "run", "COMMANDS", "BROKEN_PIPE"]
@@ -87,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    keep_freed_memory()
     try:
         return int(args._run(args) or 0)
     except KvmemError as error:
@@ -112,14 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The ``kvmem`` console script and ``python -m kvmem``: :func:`main`, then an exit that skips
-    the interpreter's teardown. Every file a command writes is closed by then (``with`` blocks;
-    atlases are renamed into place), and tearing down torch, transformers and a scan's heap is
-    time the user waits for with nothing to show: 0.6 s after ``import torch`` alone, about 2 s
-    after a scan (measured on a 2-core AMD EPYC). Exceptions (``--debug``) exit the usual way.
-    The process freezes what survives each full garbage collection (:func:`kvmem.collector.freeze_survivors`:
-    its imports and the model load no longer walk the same half a million objects eight times)."""
-    freeze_survivors()
+    """The ``kvmem`` console script and ``python -m kvmem``: :func:`main`, its status as the exit status.
+    What stdout still buffers is flushed here, so that a reader who left (``| head``) ends the command
+    quietly with :data:`BROKEN_PIPE` instead of an error at the interpreter's exit."""
     code = main()
     try:
         sys.stdout.flush()  # what a pipe's buffer still holds
@@ -128,12 +119,7 @@ def run() -> None:
         code = BROKEN_PIPE
     except (OSError, ValueError):  # stdout closed: nothing more to deliver
         pass
-    try:
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-    logging.shutdown()
-    os._exit(code)
+    sys.exit(code)
 
 
 def _stdout_to_devnull() -> None:

@@ -224,6 +224,7 @@ def provenance(experiment: str, *, model: Model | None = None, atlas: Atlas | No
 
 
 # model -> {(layer, convention): (argmax [d_ff], argmin [d_ff])}: the vocabulary pass is the slow part
+_VALUE_TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # atlas -> its values' rank-0 rows
 _TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -236,8 +237,11 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     layer and convention; otherwise computed from the model in blocks of ``block`` neurons.
     """
     if atlas is not None and layer in atlas.layers and convention in atlas.conventions:
-        frame = read_columns(atlas, "values", ["neuron", "kind", "token_id"],
-                             [("layer", "=", layer), ("convention", "=", convention), ("rank", "=", 0)])
+        if atlas not in _VALUE_TOPS:  # the values table's rank-0 rows, read once per atlas
+            _VALUE_TOPS[atlas] = read_columns(atlas, "values", ["layer", "convention", "neuron", "kind", "token_id"],
+                                              [("rank", "=", 0)])
+        frame = _VALUE_TOPS[atlas]
+        frame = frame[(frame.layer.to_numpy() == layer) & (frame.convention.to_numpy() == convention)]
         d_ff = atlas.d_ff
         out = []
         for kind in ("promote", "suppress"):

@@ -5,8 +5,9 @@ trigger example), the next token's score under the memory (+v for the top trigge
 bottom triggers of a signed slot, see :func:`~kvmem.experiments.common.memory_sides`) is compared
 with every vocabulary score: rank = 1 + number of tokens scored strictly higher (1 = the memory's
 top token). The pooled rank and the top-1 trigger's rank are both summarised, under every
-convention asked for (``raw`` is Geva et al.'s). Each value's scores are sorted once, block by
-block (``block`` slots × vocab at a time); the slots × vocab matrix never exists.
+convention asked for (``raw`` is Geva et al.'s). A rank is a count of the scores above the token's,
+over the value's vocabulary scores computed block by block (``block`` slots × vocab at a time; the slots
+× vocab matrix never exists); nothing is sorted.
 
 Baseline: the same triggers ranked under another neuron's value of the layer (a seeded random
 derangement), compared per neuron with a paired Wilcoxon signed-rank test and a sign test. A
@@ -100,8 +101,10 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     """Rank of ``tokens[p]`` among the scores ``signs[p] * vectors[slots[p]] @ basis`` for each pair p.
 
     vectors [rows, d_model], basis [d_model, vocab], slots, tokens and signs (+1 / -1, default +1)
-    [pairs]. Returns ranks [pairs] int64, 1 + #(scores strictly above the token's score). Each row's
-    scores are computed and sorted once, ``block`` rows × vocab at a time; a pair is then a binary search.
+    [pairs]. Returns ranks [pairs] int64, 1 + #(scores strictly above the token's score): tokens tied
+    with it do not count, so tied tokens share the best rank among them, as after a full sort. The
+    scores are float32, computed ``block`` rows × vocab at a time; a pair's rank is one count over its
+    row's scores (no sort: a row with m distinct needed scores costs m passes over the vocabulary).
     """
     import torch
 
@@ -115,24 +118,34 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
         raise KvmemError(f"token ids must lie in 0..{basis.shape[1] - 1}, got {tokens.min()}..{tokens.max()}")
     if not np.isin(signs, (-1, 1)).all():
         raise KvmemError("signs must be +1 or -1")
-    vocab = basis.shape[1]
     order = np.argsort(slots, kind="stable")
     sorted_slots = slots[order]
     basis = basis.float()
     with torch.inference_mode():
         for start in np.unique(sorted_slots // block) * block:
             lo, hi = np.searchsorted(sorted_slots, [start, start + block])
-            scores = vectors[start:start + block].float() @ basis  # [block, vocab]
-            ascending = torch.sort(scores, dim=1).values  # [block, vocab]
+            scores = (vectors[start:start + block].float() @ basis).numpy()  # [block, vocab] float32
             members = order[lo:hi]
-            for row in np.unique(slots[members]):
-                at = members[slots[members] == row]
-                own = scores[row - start, torch.from_numpy(tokens[at])]  # [m]
-                line = ascending[row - start]
-                above = vocab - torch.searchsorted(line, own, right=True).numpy()  # scores > own: for +v
-                below = torch.searchsorted(line, own, right=False).numpy()  # scores < own: higher under -v
-                out[at] = np.where(signs[at] > 0, above, below) + 1
+            for row, at in _pairs_by_row(slots[members], members):
+                out[at] = _count_beyond(scores[row - start], tokens[at], signs[at]) + 1
     return out
+
+
+def _pairs_by_row(rows: np.ndarray, members: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(row, the pairs of ``members`` on it) for each distinct row of ``rows`` (the pairs' rows)."""
+    order = np.argsort(rows, kind="stable")
+    distinct, first = np.unique(rows[order], return_index=True)
+    return list(zip(distinct.tolist(), np.split(members[order], first[1:])))
+
+
+def _count_beyond(line: np.ndarray, tokens: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """Per pair: how many of ``line``'s scores [vocab] lie strictly above its token's score (+1) or strictly
+    below it (-1, the rank under -v). Each distinct (score, sign) is counted once."""
+    needed = np.stack([line[tokens].astype(np.float64), signs.astype(np.float64)], axis=1)  # [pairs, 2] exact
+    distinct, inverse = np.unique(needed, axis=0, return_inverse=True)
+    counts = np.array([np.count_nonzero(line > score) if sign > 0 else np.count_nonzero(line < score)
+                       for score, sign in zip(line.dtype.type(distinct[:, 0]), distinct[:, 1].tolist())], np.int64)
+    return counts[inverse.reshape(-1)]
 
 
 def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, convention: str | Sequence[str] | None = None,

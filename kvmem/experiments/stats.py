@@ -7,6 +7,7 @@ statistic is computed by hand).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
@@ -20,6 +21,7 @@ __all__ = [
     "average_ranks",
     "bootstrap_ci",
     "exact_permutation_null",
+    "exact_permutation_null_of_pairs",
     "sign_test",
     "wilcoxon_signed_rank",
 ]
@@ -34,20 +36,27 @@ def exact_permutation_null(target_sets: Sequence[Iterable[int]], value_tokens: S
     agreeing neurons is Σ_i #{j : t_j ∈ S_i} / n². This keeps both the token frequencies of the
     values and those of the next tokens, which 1/|V| does not. Returns NaN for n = 0.
     """
-    tokens = np.asarray(value_tokens, np.int64)
-    n = len(tokens)
+    n = len(value_tokens)
     if len(target_sets) != n:
         raise KvmemError(f"need one target set per value: {len(target_sets)} sets for {n} values")
+    sets = [np.fromiter(targets, np.int64) for targets in target_sets]
+    owners = np.repeat(np.arange(n), [len(targets) for targets in sets])
+    return exact_permutation_null_of_pairs(owners, np.concatenate(sets) if sets else np.zeros(0, np.int64),
+                                           value_tokens)
+
+
+def exact_permutation_null_of_pairs(owners: np.ndarray, targets: np.ndarray, value_tokens: Sequence[int]) -> float:
+    """:func:`exact_permutation_null` with the sets given as pairs: token ``targets[p]`` is in the set of
+    neuron ``owners[p]`` (0..n-1; a pair may repeat)."""
+    tokens = np.asarray(value_tokens, np.int64)
+    n = len(tokens)
     if n == 0:
         return float("nan")
+    pairs = np.unique(np.stack([np.asarray(owners, np.int64), np.asarray(targets, np.int64)], axis=1), axis=0)
     unique, counts = np.unique(tokens, return_counts=True)
-    total = 0
-    for targets in target_sets:
-        wanted = np.unique(np.asarray(list(targets), np.int64))
-        at = np.searchsorted(unique, wanted)
-        hit = (at < len(unique)) & (unique[np.minimum(at, len(unique) - 1)] == wanted)
-        total += int(counts[at[hit]].sum())
-    return total / (n * n)
+    at = np.searchsorted(unique, pairs[:, 1])
+    hit = (at < len(unique)) & (unique[np.minimum(at, len(unique) - 1)] == pairs[:, 1])
+    return int(counts[at[hit]].sum()) / (n * n)
 
 
 def _statistic(values: np.ndarray, weights: np.ndarray, statistic: Any) -> np.ndarray:
@@ -88,19 +97,41 @@ def bootstrap_ci(values: Sequence[float], *, groups: Sequence[Any] | None = None
         return float("nan"), float("nan")
     group_ids = np.unique(group_ids, return_inverse=True)[1]
     n_groups = int(group_ids.max()) + 1
-    rng = np.random.default_rng(seed)
     out = np.empty(n_boot)
     chunk = max(1, int(4e6 // len(values)))
-    for start in range(0, n_boot, chunk):
-        stop = min(start + chunk, n_boot)
-        counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=stop - start)  # [b, groups]
+    start = 0
+    for counts in _resampled_counts(seed, n_groups, n_boot, chunk):  # [b, groups]
+        stop = start + len(counts)
         element = counts[:, group_ids] * weights[None]  # [b, N]
         empty = element.sum(axis=1) == 0
         element[empty] = weights  # a replicate with no weight left (all-zero groups): keep the sample itself
         out[start:stop] = _statistic(values, element, statistic)
+        start = stop
     tail = (1 - level) / 2
     low, high = np.quantile(out, [tail, 1 - tail])
     return float(low), float(high)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_counts(seed: int, n_groups: int, n_boot: int, chunk: int) -> tuple[np.ndarray, ...]:
+    return tuple(_draw_counts(seed, n_groups, n_boot, chunk))
+
+
+def _draw_counts(seed: int, n_groups: int, n_boot: int, chunk: int):
+    """The bootstrap's draws: how often each group is picked in each replicate, ``chunk`` replicates at a time."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, n_boot, chunk):
+        counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=min(start + chunk, n_boot) - start)
+        counts.setflags(write=False)
+        yield counts
+
+
+def _resampled_counts(seed: int, n_groups: int, n_boot: int, chunk: int):
+    """The draws of :func:`_draw_counts`, kept for the next call with the same arguments where they are small
+    (an experiment bootstraps many statistics over the same neurons: drawing them is most of its time)."""
+    if isinstance(seed, (int, np.integer)) and n_groups * n_boot <= 1 << 22:
+        return _cached_counts(seed, n_groups, n_boot, chunk)
+    return _draw_counts(seed, n_groups, n_boot, chunk)
 
 
 def average_ranks(values: Sequence[float]) -> np.ndarray:

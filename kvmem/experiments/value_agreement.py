@@ -29,7 +29,7 @@ import pandas as pd
 
 from kvmem.errors import KvmemError
 from kvmem.experiments import common
-from kvmem.experiments.stats import bootstrap_ci, exact_permutation_null
+from kvmem.experiments.stats import bootstrap_ci, exact_permutation_null_of_pairs
 
 if TYPE_CHECKING:
     from kvmem.atlas import Atlas
@@ -81,30 +81,43 @@ def agreement_from_frames(triggers: pd.DataFrame, value_tops: pd.DataFrame, *, v
     valid = valid.assign(order=valid.groupby(["layer", "neuron"]).cumcount().to_numpy())
     rows = []
     for layer, tops in value_tops.groupby("layer", sort=True):
-        top_of = dict(zip(tops.neuron.to_numpy().tolist(), tops.token_id.to_numpy().tolist()))
-        here = valid[(valid.layer.to_numpy() == layer) & valid.neuron.isin(list(top_of)).to_numpy()]
-        neurons = np.unique(here.neuron.to_numpy())
-        own = np.array([top_of[n] for n in neurons.tolist()], np.int64)  # [neurons] each memory's top token
+        top_of = np.full(int(tops.neuron.max()) + 1, -1, np.int64)  # neuron -> its memory's top token
+        top_of[tops.neuron.to_numpy()] = tops.token_id.to_numpy()
+        here = valid[valid.layer.to_numpy() == layer]
+        here_neuron = here.neuron.to_numpy().astype(np.int64)
+        listed = np.isin(here_neuron, tops.neuron.to_numpy())
+        here, here_neuron = here[listed], here_neuron[listed]
+        order = here.order.to_numpy()
+        neurons = np.unique(here_neuron)
+        own = top_of[neurons]  # [neurons] each memory's top token
         row = {"layer": int(layer), "neurons": len(neurons)}
         for k in ks:
-            first = here[here.order.to_numpy() < k]
-            sets = first.groupby("neuron").next_token_id.agg(lambda s: set(s.tolist()))
-            target_sets = [sets[n] for n in neurons.tolist()]
-            hits = np.array([t in s for t, s in zip(own.tolist(), target_sets)], np.float64)
+            first = order < k
+            owners, targets = _distinct_pairs(np.searchsorted(neurons, here_neuron[first]),
+                                              here.next_token_id.to_numpy()[first])
+            hits = np.zeros(len(neurons), np.float64)  # the memory's top token is one of its top-k next tokens
+            hits[owners[targets == own[owners]]] = 1.0
             row[f"agree_top{k}"] = float(hits.mean()) if len(hits) else float("nan")
             row[f"agree_top{k}_ci_low"], row[f"agree_top{k}_ci_high"] = bootstrap_ci(hits, n_boot=n_boot, seed=seed)
-            row[f"null_top{k}"] = exact_permutation_null(target_sets, own)
-            row[f"chance_top{k}"] = (float(np.mean([len(s) for s in target_sets])) / vocab_size if len(hits)
-                                     else float("nan"))
+            row[f"null_top{k}"] = exact_permutation_null_of_pairs(owners, targets, own)
+            row[f"chance_top{k}"] = (float(np.mean(np.bincount(owners, minlength=len(neurons)))) / vocab_size
+                                     if len(hits) else float("nan"))
         if has_self:
-            first = here[here.order.to_numpy() == 0].set_index("neuron").token_id
-            self_sets = [{int(first[n])} for n in neurons.tolist()]
-            row["self_top1"] = float(np.mean([t in s for t, s in zip(own.tolist(), self_sets)])) if len(own) else float("nan")
-            row["null_self_top1"] = exact_permutation_null(self_sets, own)
+            first = order == 0
+            owners = np.searchsorted(neurons, here_neuron[first])
+            tokens = here.token_id.to_numpy()[first]
+            row["self_top1"] = float(np.mean(tokens == own[owners])) if len(own) else float("nan")
+            row["null_self_top1"] = exact_permutation_null_of_pairs(owners, tokens, own)
         rows.append(row)
     columns = ["layer", "neurons"] + [f"{p}_top{k}{q}" for k in ks for p, q in (
         ("agree", ""), ("agree", "_ci_low"), ("agree", "_ci_high"), ("null", ""), ("chance", ""))]
     return pd.DataFrame(rows, columns=columns + (["self_top1", "null_self_top1"] if has_self else []))
+
+
+def _distinct_pairs(owners: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (owner, target) pairs, as two arrays."""
+    pairs = np.unique(np.stack([owners.astype(np.int64), targets.astype(np.int64)], axis=1).reshape(-1, 2), axis=0)
+    return pairs[:, 0], pairs[:, 1]
 
 
 def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+from kvmem import environment
 from kvmem.errors import KvmemError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "launched", "timeout_seconds", "group_arguments", "start",
@@ -37,7 +38,7 @@ def timeout_seconds(requested: float | None = None) -> float:
     """The process group's timeout: ``requested``, else ``$KVMEM_DIST_TIMEOUT``, else 2 hours."""
     where = "--dist-timeout"
     if requested is None:
-        text = os.environ.get(TIMEOUT_ENV)
+        text = environment.read(TIMEOUT_ENV)
         if text is None:
             return DEFAULT_TIMEOUT_S
         where = TIMEOUT_ENV

@@ -22,13 +22,13 @@ float32's range) a row is rescored in full. :class:`ProjectionStats` counts both
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from kvmem import environment
 from kvmem.errors import KvmemError
 from kvmem.scanning.projection_rules import (
     CPU_METHODS,
@@ -89,7 +89,7 @@ def _kernels():
 
 def _requested(name: str | None) -> str:
     """The method asked for: ``name``, else ``KVMEM_PROJECTION``, else ``auto`` (checked, lower case)."""
-    chosen = (name or os.environ.get(ENV) or "auto").lower()
+    chosen = (name or environment.read(ENV) or "auto").lower()
     if chosen not in METHODS and chosen != "auto":
         source = "projection method" if name else ENV
         raise KvmemError(f"unknown {source} {chosen!r}; choose one of auto, {', '.join(METHODS)}")

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvmem.allocator import release_freed_memory
+from kvmem import environment
 from kvmem.atlas import open_atlas
 from kvmem.atomic import held_lock
-from kvmem.collector import frozen_heap
 from kvmem.corpus import Corpus, open_corpus
 from kvmem.errors import KvmemError
 from kvmem.models import Model
@@ -229,7 +228,7 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     lock = target.with_name(f".{target.name}{f'.rank{rank}' if world > 1 else ''}.lock")
     # one scan at a time per --out (and rank); the objects that exist now (modules, the model) are left out of
     # garbage collections until the scan ends
-    with held_lock(lock, f"the output {target}"), frozen_heap():
+    with held_lock(lock, f"the output {target}"):
         return _scan_into(target, model, corpus, config, layers, plan, phases, rank=rank, world=world,
                           overwrite=overwrite, resume=resume, backend=backend)
 
@@ -357,8 +356,6 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
     for batch in batches:
         _run_batch(model, batch, plan, config, state, backend)
         bar.update(batch.tokens)
-        if state.batches % 16 == 0:
-            release_freed_memory()
         if state.texts.needs_gc():
             state.texts.keep_only(state.referenced_windows(plan.window))
     state.seconds = time.perf_counter() - started
@@ -370,7 +367,7 @@ PREFETCH_ENV = "KVMEM_PREFETCH"  # 1: read ahead in a thread, 0: do not; unset: 
 def prefetch_enabled(device) -> bool:
     """Whether the corpus walk runs ahead of the forward in a thread: by default on a GPU, where the
     forward is quick next to tokenizing; on a CPU the thread would take cores from the forward."""
-    chosen = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    chosen = (environment.read(PREFETCH_ENV) or "").lower()
     if chosen in ("1", "true", "yes", "on"):
         return True
     if chosen in ("0", "false", "no", "off"):

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from kvmem import environment
 from kvmem.atomic import staged_directory
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.manifest import Manifest
@@ -275,5 +276,6 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
         engine={"backend": backend, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
         environment={"torch": torch.__version__, "transformers": transformers.__version__,
                      "transformer_lens": _installed_version("transformer-lens"),
-                     "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
+                     "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+                     "variables": environment.recorded()},
     )

@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from kvmem import environment
 from kvmem.errors import KvmemError
 from kvmem.scanning.backends.base import Backend, BatchStatistics, ContextFn, Documents
 from kvmem.scanning.backends.numba_backend import NumbaBackend
@@ -47,7 +47,7 @@ def select_backend(device: str | torch.device = "cpu", name: str | None = None) 
     on a CPU, the torch backend runs, with one warning per process. Loading the numba kernels
     (from numba's disk cache; compiling them, about 4 s, once per install) happens here.
     """
-    chosen = name or os.environ.get(ENV) or None
+    chosen = name or environment.read(ENV)
     if chosen is not None:
         chosen = chosen.lower()
         if chosen not in BACKENDS:
