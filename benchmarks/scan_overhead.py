@@ -20,12 +20,12 @@ import statistics
 
 import torch
 from common import Timer, machine, token_batches
+from kvmem.scanning.backends import BACKENDS, select_backend
+from kvmem.scanning.state import ScanState, new_layer_state
 
 import kvmem
 from kvmem.plan import Batch, TokenPlan, WindowText
-from kvmem.scanning.backends import BACKENDS, select_backend
 from kvmem.scanning.capture import capture_coefficients, has_gate_up
-from kvmem.scanning.state import ScanState, new_layer_state
 from kvmem.scanning.step import BatchRows, BatchStep
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from layer_driver import fold, new_layer
 
 from kvmem.scanning.histogram import HIST_BINS, reference_bin

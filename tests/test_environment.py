@@ -24,7 +24,7 @@ def test_every_kvmem_variable_named_in_the_package_is_in_the_table_and_each_ther
     named = {name for text in _sources().values() for name in NAME.findall(text)}
     assert named == set(environment.VARIABLES)
     read = set()  # names passed to environment.read, directly or through a module constant
-    for path, text in _sources().items():
+    for text in _sources().values():
         constants = {target.id: node.value.value for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Assign)
                      and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
                      for target in node.targets if isinstance(target, ast.Name)}

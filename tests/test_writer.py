@@ -51,7 +51,6 @@ def test_a_stream_takes_parts_and_part_builders(tmp_path):
     nothing for a layer: the file is the one ``add`` writes for the whole table. A builder that fails
     fails ``wait`` with its own error."""
     import numpy as np
-
     import pyarrow as pa
     from layer_driver import new_layer
 
