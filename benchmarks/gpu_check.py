@@ -28,7 +28,7 @@ On CUDA, float32 products are pinned to float32 (TF32 off, also for every child 
 ``NVIDIA_TF32_OVERRIDE=0``), and ``machine.txt`` and the first line say so.
 
 Without a CUDA device it says so in one line and exits 0. ``--device cpu`` lets the CPU stand in
-for the GPU, on the GPU's code path (the torch streaming ops, not the compiled CPU kernels):
+for the GPU, on the GPU's code path (the torch streaming ops, the one path on every device):
 
 - ``--device cpu --scale full``, the rehearsal: every step with the GPU run's models, shapes and
   settings, over a small token budget (:data:`SIZES`); run it before handing the check to a GPU;
@@ -74,19 +74,8 @@ LLAMA = dict(positions=1024, init=0.06)  # the gated stand-in: a context past ev
 
 @contextlib.contextmanager
 def torch_path(switch: bool):
-    """With ``switch``, the streaming step runs as torch ops (the path a GPU takes), not the CPU kernels."""
-    from kvmem.scanning.backends import ENV
-
-    saved = os.environ.get(ENV)
-    if switch:
-        os.environ[ENV] = "torch"  # read by select_backend, once per scan
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+    """The streaming step's one path (torch ops on any device): nothing to switch; kept so the steps read as before."""
+    yield
 
 
 def tables(atlas) -> dict[str, pd.DataFrame]:
@@ -197,7 +186,7 @@ class Steps:
         self.full = args.scale == "full"
         self.window = 128
         self.agree = dict(max_tokens=args.agree_tokens, top_k=8, window=self.window, top_n=5, batch_size=8,
-                          progress=False)
+                          progress=False, projections="eager")  # the values table is compared too
         self.sources: dict[str, Path] = {}
         self.cache: dict[str, object] = {}
         self.models: dict[tuple, object] = {}
@@ -267,7 +256,7 @@ class Steps:
         return ["-m", "kvmem", "scan", "--model", str(self.small_dir), "--corpus", str(self.corpus),
                 "--device", self.device, "--max-tokens", str(self.args.cli_tokens), "--window", str(self.window),
                 "--batch-size", "16", "--top-k", "8", "--top-n", "5", "--block-documents",
-                "16" if self.full else "1", "--quiet",
+                "16" if self.full else "1", "--quiet", "--projections", "eager",
                 "--checkpoint-every", str(max(1, self.args.cli_tokens // 4)), "--out", str(out), *extra]
 
     def in_process(self, arguments: list[str]) -> None:
@@ -281,8 +270,6 @@ class Steps:
 
     def env(self) -> dict:
         env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same threads in every process
-        if self.dry:
-            env["KVMEM_KERNELS"] = "torch"  # the GPU's code path
         return env
 
     @property

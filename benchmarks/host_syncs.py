@@ -1,4 +1,4 @@
-"""Host synchronisations and operators per batch of the streaming step, per backend: what stalls a GPU between layers.
+"""Host synchronisations and operators per batch of the streaming step: what stalls a GPU between layers.
 
 Two parts of a batch are counted apart:
 
@@ -24,7 +24,7 @@ device, so a CPU run states what a GPU run waits for; on CUDA the script also co
 ``torch.cuda.set_sync_debug_mode("warn")`` in each part, as a cross-check. Every operator dispatched
 in the step is counted too (``operators``): each is at least one kernel launch on a GPU.
 
-    python benchmarks/host_syncs.py [--model gpt2-random] [--tokens 4096] [--backend torch] [--per-document]
+    python benchmarks/host_syncs.py [--model gpt2-random] [--tokens 4096] [--per-document] [--statistics NAME,...]
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from torch.utils._pytree import tree_leaves
 
 import kvmem
 from kvmem.scanning import runner, step
-from kvmem.scanning.backends import BACKENDS
 
 SYNCING = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique", "_unique2",
            "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "equal", "allclose"}
@@ -99,7 +98,7 @@ class Counting(TorchDispatchMode):
         return out
 
 
-def count(model, corpus: str, *, tokens: int, backend: str, per_document: bool, batch_size="8") -> dict:
+def count(model, corpus: str, *, tokens: int, per_document: bool, batch_size="8", statistics=()) -> dict:
     """Stream ``tokens`` of ``corpus`` through ``model``, counting per part (see the module docstring)."""
     cuda = model.device.startswith("cuda")
     mode = Counting()
@@ -160,8 +159,8 @@ def count(model, corpus: str, *, tokens: int, backend: str, per_document: bool, 
     torch.Tensor.to = counted_to
     try:
         with mode:
-            state = runner.stream(model, corpus, max_tokens=tokens, backend=backend, per_document=per_document,
-                                  batch_size=batch_size)
+            state = runner.stream(model, corpus, max_tokens=tokens, per_document=per_document, batch_size=batch_size,
+                                  statistics=tuple(statistics))
     finally:
         for (owner, name), method in saved.items():
             setattr(owner, name, method)
@@ -174,7 +173,8 @@ def count(model, corpus: str, *, tokens: int, backend: str, per_document: bool, 
         return {k: round(v / batches, 2) for k, v in sorted(counter.items())}
 
     steps, setup = sum(mode.syncs["step"].values()), sum(mode.syncs["setup"].values())
-    result = {"machine": machine(), "device": model.device, "backend": backend, "per_document": per_document,
+    result = {"machine": machine(), "device": model.device, "statistics": state.statistics.names,
+              "per_document": per_document,
               "tokens": state.tokens, "batches": batches, "layers": layers,
               "step_syncs_per_batch": round(steps / batches, 2),
               "step_syncs_per_layer_per_batch": round(steps / batches / layers, 2),
@@ -193,14 +193,14 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2-random")
     parser.add_argument("--corpus", default="pydoc")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--backend", choices=list(BACKENDS), default="torch")
+    parser.add_argument("--statistics", default="", help="optional statistics to keep too (comma-separated)")
     parser.add_argument("--per-document", action="store_true")
     parser.add_argument("--batch-size", default="8")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     model = kvmem.load_model(args.model, device=args.device)
-    result = count(model, args.corpus, tokens=args.tokens, backend=args.backend, per_document=args.per_document,
-                   batch_size=args.batch_size)
+    result = count(model, args.corpus, tokens=args.tokens, per_document=args.per_document, batch_size=args.batch_size,
+                   statistics=[name for name in args.statistics.split(",") if name])
     print(json.dumps({"model": args.model, **result}, indent=1))
 
 

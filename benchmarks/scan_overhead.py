@@ -1,7 +1,8 @@
 """Scan overhead: tokens/s of a full kvmem scan step against the bare forward over the same batches.
 
 Full scan step = all layers hooked, top and bottom k=25 with context coefficients, moments, positive
-counts, histograms and the default samples (`kvmem.scanning.step.BatchStep`, the runner's step, with the backend `select_backend` picks: KVMEM_KERNELS or --backend).
+counts, histograms and the default samples (`kvmem.scanning.step.BatchStep`, the runner's step: the statistics
+`kvmem.scanning.statistics.compose` builds from the settings).
 It runs twice, without and with the neuron taxonomy's streaming sums (Σ m·position; on gated models the gate and
 up hooks, their sign-quadrant counts and each kept entry's gate and up; unigram counts), and prints the sums'
 cost as a share of the streaming step (`--no-taxonomy-sums` turns them off in a scan). This is the
@@ -23,9 +24,9 @@ from common import Timer, machine, token_batches
 
 import kvmem
 from kvmem.plan import Batch, TokenPlan, WindowText
-from kvmem.scanning.backends import BACKENDS, select_backend
 from kvmem.scanning.capture import capture_coefficients, has_gate_up
-from kvmem.scanning.state import ScanState, new_layer_state
+from kvmem.scanning.config import ScanConfig
+from kvmem.scanning.statistics import ScanState, compose
 from kvmem.scanning.step import BatchRows, BatchStep
 
 
@@ -36,11 +37,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-samples", action="store_true", help="without the random and per-bin samples")
-    parser.add_argument("--backend", choices=list(BACKENDS), help="default: KVMEM_KERNELS, else numba on a CPU")
+    parser.add_argument("--statistics", default="", help="optional statistics to keep too (comma-separated)")
     args = parser.parse_args()
 
     model = kvmem.load_model(args.model)
-    backend = select_backend(model.device, args.backend)
     batches = token_batches(model, args.tokens, batch_size=args.batch_size)
     layers = list(range(model.n_layers))
     device = model.device  # a GPU when one is present: bookkeeping stays on the device
@@ -48,11 +48,12 @@ def main() -> None:
     samples = dict(random_samples=0, bin_samples=0) if args.no_samples else dict(random_samples=20, bin_samples=4)
     gated = has_gate_up(model)
 
+    optional = tuple(name for name in args.statistics.split(",") if name)
+
     def fresh(sums: bool) -> ScanState:
-        return ScanState(layers, {layer: new_layer_state(model.d_ff, 25, per_document=False, context_width=17,
-                                                         device=device, position_sums=sums,
-                                                         quadrants=sums and gated, **samples) for layer in layers},
-                         unigrams=torch.zeros(model.vocab_size, dtype=torch.int64) if sums else None)
+        config = ScanConfig(top_k=25, taxonomy_sums=sums, statistics=optional, **samples)
+        statistics = compose(config, gated=gated)
+        return statistics.new_state(layers, statistics.spec(model.d_ff, model.vocab_size, device, 17))
 
     states = {False: fresh(False), True: fresh(True)}  # without and with the taxonomy's sums
     plan = TokenPlan(window=batches[0].shape[1] - 1, bos_token_id=model.bos_token_id)
@@ -75,7 +76,7 @@ def main() -> None:
         batch = Batch(block=0, windows=windows, tokens=sum(len(w.tokens) for w in windows))
         rows = BatchRows.build(batch, plan, context_before=12, context_after=4, seed=0, samples=not args.no_samples,
                                device=device)
-        step = BatchStep(backend, states[sums], rows, with_context=True, index=0)
+        step = BatchStep(states[sums], rows, with_context=True, index=0)
         extra = {"on_gate_up": step.gate_up} if step.wants_gate_up else {}
         capture_coefficients(model, rows.ids, layers, step.layer, **extra)
         step.finish()
@@ -100,7 +101,8 @@ def main() -> None:
     rate = {name: tokens / statistics.median(values) for name, values in seconds.items()}
     overhead = statistics.median(seconds["scan_sums"]) / statistics.median(seconds["scan"]) - 1
     result = {
-        "model": args.model, "samples": not args.no_samples, "backend": backend.name, "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
+        "model": args.model, "samples": not args.no_samples, "statistics": states[True].statistics.names,
+        "tokens": tokens, "batch": list(batches[0].shape), "machine": machine(),
         "bare_tok_s": round(rate["bare"], 1), "truncated_tok_s": round(rate["truncated"], 1),
         "scan_tok_s": round(rate["scan"], 1), "scan_with_taxonomy_sums_tok_s": round(rate["scan_sums"], 1),
         "taxonomy_sums_overhead": round(overhead, 4), "gated": gated,

@@ -74,7 +74,7 @@ def main() -> None:
         with Timer() as timer:
             kvmem.scan(model, args.corpus, out=f"{out}/cold", max_tokens=args.tokens, progress=False)
         cold = round(timer.seconds, 1)
-    bare, whole, phases, backend = [], [], [], None
+    bare, whole, phases = [], [], []
     for _ in range(args.repeats):
         bare.append(bare_forward(model, args.corpus, args.tokens))
         with Timer() as timer:
@@ -82,7 +82,6 @@ def main() -> None:
                                progress=False)
         whole.append(timer.seconds)
         phases.append(atlas.manifest.timing["phases"])
-        backend = atlas.manifest.backend
     atlas_mb = sum(f.stat().st_size for f in Path(out, "warm").iterdir()) / 1e6  # values/keys: linked from the cache
     shutil.rmtree(out, ignore_errors=True)
     bare_s, whole_s = statistics.median(bare), statistics.median(whole)
@@ -91,9 +90,9 @@ def main() -> None:
               "runs": {"bare": [round(x, 2) for x in bare], "scan": [round(x, 2) for x in whole]},
               "phases": phases[whole.index(sorted(whole)[len(whole) // 2])], "first_scan_cold_seconds": cold,
               "first_warm_scan": {"seconds": round(whole[0], 1), "phases": phases[0]},
-              "backend": backend, "atlas_mb": round(atlas_mb, 1),
+              "projections": atlas.manifest.scan.get("projections"), "atlas_mb": round(atlas_mb, 1),
               "peak_rss_mb": round(peak_rss_mb(), 1), "machine": machine()}
-    print(f"{args.model}, {args.tokens:,} tokens ({backend} backend): whole scan {whole_s:.2f} s, bare forward {bare_s:.2f} s -> "
+    print(f"{args.model}, {args.tokens:,} tokens: whole scan {whole_s:.2f} s, bare forward {bare_s:.2f} s -> "
           f"ratio {result['ratio']:.2f}; phases {result['phases']}"
           + f"; the first warm scan in the process {whole[0]:.1f} s {phases[0]}"
           + (f"; first scan with an empty projection cache {cold} s" if cold else ""))

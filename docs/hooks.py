@@ -15,10 +15,13 @@ def _cell(text: str) -> str:
 
 
 def _columns() -> str:
+    from kvmem.scanning.statistics import STATISTICS
     from kvmem.schema import COLUMNS, FORMAT_VERSION
 
-    parts = [f"Atlas format version {FORMAT_VERSION}. Generated from `kvmem.schema.COLUMNS`.\n"]
-    for table, columns in COLUMNS.items():
+    parts = [f"Atlas format version {FORMAT_VERSION}. Generated from `kvmem.schema.COLUMNS` and the tables the "
+             f"optional statistics define (`kvmem.scanning.statistics.STATISTICS`).\n"]
+    own = {name: columns for cls in STATISTICS.values() for name, columns in cls.table_columns.items()}
+    for table, columns in {**COLUMNS, **own}.items():
         parts.append(f"### `{table}.parquet`\n\n| column | type and meaning |\n|---|---|")
         parts += [f"| `{name}` | {_cell(text)} |" for name, text in columns.items()]
         parts.append("")
@@ -59,10 +62,10 @@ class _DoctestFences:
 
     @staticmethod
     def extension():
+        import re
+
         from markdown.extensions import Extension
         from markdown.preprocessors import Preprocessor
-
-        import re
 
         role = re.compile(r":(?:py:)?(?:func|class|meth|data|mod|attr|obj|exc):`~?([^`]+)`")
         field = re.compile(r"^(\s*)([A-Za-z_]\w*(?: / [A-Za-z_]\w*)*):( +)(\S.*)$")  # "window:     tokens per window"

@@ -1,7 +1,10 @@
 """Open an atlas directory and query it: neurons, triggers, projections, search.
 
 Selections by (layer, neuron) read one parquet row group (tables are sorted and grouped by
-layer and neuron block, see :mod:`kvmem.schema`), so they stay fast on large atlases.
+layer and neuron block, see :mod:`kvmem.schema`), so they stay fast on large atlases. An atlas
+scanned with lazy projections (the default) holds no ``values`` / ``keys`` tables: a neuron's rows
+are computed on demand from the scanned model (:mod:`kvmem.atlas_projections`), and
+:meth:`Atlas.project` writes the whole tables.
 """
 
 from __future__ import annotations
@@ -18,17 +21,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvmem.atlas_projections import TABLES as PROJECTION_TABLES
+from kvmem.atlas_projections import OnDemandProjections, missing_table_message, project_atlas
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.manifest import Manifest
-from kvmem.schema import CONTEXT_TEXT, SAMPLE_KINDS, SAMPLE_VIEW, TABLES, TRIGGER_KINDS, TRIGGER_VIEW
+from kvmem.schema import CONTEXT_TEXT, SAMPLE_KINDS, SAMPLE_VIEW, TABLES, TRIGGER_KINDS, TRIGGER_VIEW, arrow_schema
 
 __all__ = ["open_atlas", "Atlas", "NeuronRecord"]
 
 
-def open_atlas(path) -> Atlas:
-    """Open an atlas written by :func:`kvmem.scan` (``kvmem.open(DIR)``)."""
-    return Atlas(path)
+def open_atlas(path, *, model=None) -> Atlas:
+    """Open an atlas written by :func:`kvmem.scan` (``kvmem.open(DIR)``); ``model``: the scanned model, for
+    projections computed on demand (else loaded from the manifest when first needed)."""
+    return Atlas(path, model=model)
 
 
 @dataclass
@@ -109,9 +115,10 @@ def _marked_html(context: str, start: int, end: int) -> str:
 
 
 class Atlas:
-    """A memory atlas on disk. ``atlas.neurons`` is a DataFrame; other tables are read on demand."""
+    """A memory atlas on disk. ``atlas.neurons`` is a DataFrame; other tables are read on demand. ``model``: the
+    scanned model (checked by fingerprint), for projections computed on demand."""
 
-    def __init__(self, path):
+    def __init__(self, path, *, model=None):
         self.path = Path(path)
         manifest = self.path / "manifest.json"
         if not self.path.is_dir():
@@ -122,6 +129,7 @@ class Atlas:
         self._files: dict[str, pq.ParquetFile] = {}
         self._groups: dict[str, list[tuple[int, int, int]]] = {}
         self._cache: dict[str, pd.DataFrame] = {}
+        self.projections = OnDemandProjections(self, model)
 
     # ---- provenance ----
     @property
@@ -160,6 +168,8 @@ class Atlas:
     def _file(self, table: str) -> pq.ParquetFile:
         if table not in self._files:
             path = self.path / f"{table}.parquet"
+            if not path.exists() and table in PROJECTION_TABLES:
+                raise KvmemError(missing_table_message(self.path, table))
             if not path.exists():
                 raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
             try:
@@ -255,11 +265,16 @@ class Atlas:
             self._cache[key] = rows.to_pandas()
         return self._cache[key]
 
+    def _known(self, table: str) -> None:
+        """A table of the format (:data:`kvmem.schema.TABLES`), or one a statistic wrote into this atlas."""
+        if table not in TABLES and not (self.path / f"{table}.parquet").exists():
+            raise KvmemError(f"unknown table {table!r}; tables are {', '.join(TABLES)} (and those of the optional "
+                             f"statistics a scan kept)")
+
     def row_groups(self, table: str, columns: list[str]):
         """The stored ``columns`` of ``table``, one parquet row group at a time (pa.Table each): a whole
         table streamed without ever being in memory at once (triggers and samples carry no text here)."""
-        if table not in TABLES:
-            raise KvmemError(f"unknown table {table!r}; tables are {', '.join(TABLES)}")
+        self._known(table)
         file = self._file(table)
         unknown = sorted(set(columns) - set(file.schema_arrow.names))
         if unknown:
@@ -300,9 +315,41 @@ class Atlas:
             rows = rows.filter(pc.equal(rows.column("kind"), kind))
         return self._with_text(rows, "triggers").to_pandas()
 
-    def values(self, layer: int, neuron: int, *, convention: str | None = None, kind: str | None = None) -> pd.DataFrame:
-        """Tokens the value vector promotes / suppresses, under each stored convention."""
-        frame = self._read("values", layer, neuron)
+    @property
+    def has_projections(self) -> bool:
+        """Whether the atlas holds the values and keys tables (else a neuron's are computed on demand)."""
+        return all((self.path / f"{name}.parquet").exists() for name in PROJECTION_TABLES)
+
+    def projection_rows(self, table: str, layer: int, neurons, *, model=None) -> pa.Table:
+        """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``: read from the table, or computed
+        from the model where the atlas holds none (``model``: the scanned model; default: loaded from the
+        manifest, fingerprint checked)."""
+        if table not in PROJECTION_TABLES:
+            raise KvmemError(f"unknown projection table {table!r}; choose one of {', '.join(PROJECTION_TABLES)}")
+        neurons = sorted({int(n) for n in neurons})
+        for neuron in neurons:
+            self.check(layer, neuron)
+        if (self.path / f"{table}.parquet").exists():
+            rows = self._read_arrow(table, layer, neurons[0] if len(neurons) == 1 else None)
+            return rows.filter(pc.is_in(rows.column("neuron"), pa.array(neurons, rows.schema.field("neuron").type)))
+        return self.projections.rows(table, layer, neurons, model)
+
+    def project(self, *, model=None, progress: bool = False) -> dict:
+        """Write the values and keys tables into the atlas (as ``kvmem project`` does; nothing when it holds
+        them). ``model``: the scanned model (default: loaded from the manifest)."""
+        done = project_atlas(self, model=model, progress=progress)
+        self._files.clear()
+        self._groups.clear()
+        self._cache.clear()
+        self.manifest = Manifest.read(self.path / "manifest.json")
+        return done
+
+    def values(self, layer: int, neuron: int, *, convention: str | None = None, kind: str | None = None,
+               model=None) -> pd.DataFrame:
+        """Tokens the value vector promotes / suppresses, under each stored convention (computed from the model
+        when the atlas holds no values table: ``model``, or the scanned model loaded from the manifest)."""
+        self.check(layer, neuron)
+        frame = self.projection_rows("values", layer, [neuron], model=model).to_pandas()
         if convention is not None:
             if convention not in self.conventions:
                 raise KvmemError(f"convention {convention!r} is not in this atlas; it has {', '.join(self.conventions)}")
@@ -311,9 +358,10 @@ class Atlas:
             frame = frame[frame.kind == kind]
         return frame.reset_index(drop=True)
 
-    def keys(self, layer: int, neuron: int, *, vector: str | None = None) -> pd.DataFrame:
-        """Tokens whose input embedding best matches the key (and gate key) vectors."""
-        frame = self._read("keys", layer, neuron)
+    def keys(self, layer: int, neuron: int, *, vector: str | None = None, model=None) -> pd.DataFrame:
+        """Tokens whose input embedding best matches the key (and gate key) vectors (on demand as :meth:`values`)."""
+        self.check(layer, neuron)
+        frame = self.projection_rows("keys", layer, [neuron], model=model).to_pandas()
         return frame if vector is None else frame[frame.vector == vector].reset_index(drop=True)
 
     def samples(self, layer: int, neuron: int, *, kind: str | None = None) -> pd.DataFrame:
@@ -369,14 +417,20 @@ class Atlas:
         counts = np.asarray(frame.counts.iloc[0]) if len(frame) else np.zeros(len(edges) - 1, np.int64)
         return pd.DataFrame({"bin": np.arange(len(counts)), "low": edges[:-1], "high": edges[1:], "count": counts})
 
-    def neuron(self, layer: int, neuron: int, *, convention: str | None = None) -> NeuronRecord:
-        """One neuron with everything about it (readable repr, HTML in notebooks)."""
+    def neuron(self, layer: int, neuron: int, *, convention: str | None = None, model=None,
+               projections: bool = True) -> NeuronRecord:
+        """One neuron with everything about it (readable repr, HTML in notebooks). ``model``: see :meth:`values`;
+        ``projections=False``: empty values and keys where the atlas holds no tables (nothing computed)."""
         self.check(layer, neuron)
         index = self.layers.index(layer) * self.d_ff + neuron
         stats = self.neurons.iloc[index].to_dict()
         stats["count"] = int(stats["count"])
-        return NeuronRecord(layer, neuron, stats, self.triggers(layer, neuron), self.values(layer, neuron),
-                            self.keys(layer, neuron), self.histogram(layer, neuron), self.provenance(convention))
+        if projections or self.has_projections:
+            values, keys = self.values(layer, neuron, model=model), self.keys(layer, neuron, model=model)
+        else:
+            values, keys = (arrow_schema(name).empty_table().to_pandas() for name in PROJECTION_TABLES)
+        return NeuronRecord(layer, neuron, stats, self.triggers(layer, neuron), values, keys,
+                            self.histogram(layer, neuron), self.provenance(convention))
 
     def top_neurons(self, *, token: str | int, by: str = "value", k: int = 10, convention: str | None = None,
                     tokenizer=None) -> pd.DataFrame:
@@ -443,9 +497,10 @@ class Atlas:
 
     def _vocabulary(self) -> dict[str, int]:
         if "_vocab" not in self._cache:
-            frames = [self._table("values", ["token_id", "token"]), self._table("triggers", ["token_id", "token"])
-                      if self._legacy_texts("triggers") else self._contexts("triggers")[1].select(["token_id", "token"])
-                      .to_pandas()]
+            frames = [self._table("triggers", ["token_id", "token"]) if self._legacy_texts("triggers")
+                      else self._contexts("triggers")[1].select(["token_id", "token"]).to_pandas()]
+            if (self.path / "values.parquet").exists():
+                frames.insert(0, self._table("values", ["token_id", "token"]))
             both = pd.concat(frames).drop_duplicates("token")
             self._cache["_vocab"] = dict(zip(both.token, both.token_id.astype(int)))
         return self._cache["_vocab"]
@@ -516,8 +571,7 @@ class Atlas:
 
     def table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
         """A whole table as a DataFrame, optionally only some columns (large for big atlases)."""
-        if name not in TABLES:
-            raise KvmemError(f"unknown table {name!r}; tables are {', '.join(TABLES)}")
+        self._known(name)
         if columns is not None:
             names = set(self._file(name).schema_arrow.names)
             if name in ("triggers", "samples"):

@@ -15,9 +15,6 @@ __all__ = ["VARIABLES", "read", "recorded"]
 # name -> what it changes (and its default)
 VARIABLES: dict[str, str] = {
     "KVMEM_CACHE": "where converted models and projection tables are kept (default ~/.cache/kvmem)",
-    "KVMEM_KERNELS": "the scan's streaming backend, torch or numba (default: numba on a CPU, torch elsewhere); "
-                     "the tables are the same, float64 sums may differ in rounding",
-    "KVMEM_PROJECTION": "the method that computes the projection tables (default auto)",
     "KVMEM_PREFETCH": "1: the corpus is read ahead in a thread, 0: not (default: on a GPU only); the tables "
                       "are the same",
     "KVMEM_DIST_TIMEOUT": "seconds the processes of a torchrun scan wait for each other (default 7200)",

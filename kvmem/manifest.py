@@ -38,8 +38,8 @@ class Manifest:
     histogram:      bin count and edges          projection: conventions with formulas, default, top_n,
                     the method that computed the tables and their tie order
     timing:         seconds per phase, total, batches, world size, this atlas's shard, merge sources
-    engine:         the streaming ``backend`` (``numba``: compiled CPU kernels, ``torch``: torch ops), and the
-                    ``device`` and ``dtype`` the model ran in; empty for atlases written before it was recorded
+    engine:         the ``statistics`` the scan kept (:mod:`kvmem.scanning.statistics`), and the ``device`` and
+                    ``dtype`` the model ran in (atlases of an earlier kvmem name a streaming ``backend`` instead)
     environment:    torch / transformers / transformer-lens versions, device, dtype, and ``variables``: kvmem's
                     environment variables set during the scan (:data:`kvmem.environment.VARIABLES`)
     """
@@ -75,11 +75,6 @@ class Manifest:
     def shard(self) -> tuple[int, int]:
         """The part of the blocks this atlas scanned (i, n); (0, 1) for a whole or merged scan."""
         return tuple(self.timing.get("shard", (0, 1)))
-
-    @property
-    def backend(self) -> str | None:
-        """The streaming backend that produced the atlas (None: not recorded, an older atlas)."""
-        return self.engine.get("backend")
 
     # ---- dict / file ----
     def to_dict(self) -> dict:

@@ -161,16 +161,18 @@ def _arrow_type(description: str):
     raise ValueError(f"no Arrow type for column description {description!r}")
 
 
-def arrow_schema(table: str):
-    """The Arrow schema of an atlas table, built from :data:`COLUMNS` (the one definition)."""
+def arrow_schema(table: str, columns: dict[str, str] | None = None):
+    """The Arrow schema of an atlas table, built from :data:`COLUMNS` (the one definition), or from ``columns``
+    (column -> description) for a table a statistic defines (``Statistic.table_columns``)."""
     import pyarrow as pa
 
-    return pa.schema([(name, _arrow_type(text)) for name, text in COLUMNS[table].items()])
+    return pa.schema([(name, _arrow_type(text)) for name, text in (columns or COLUMNS[table]).items()])
 
 
-def conform(table, name: str):
-    """``table`` cast to the schema of atlas table ``name``; a missing, extra or mistyped column raises."""
-    schema = arrow_schema(name)
+def conform(table, name: str, columns: dict[str, str] | None = None):
+    """``table`` cast to the schema of atlas table ``name`` (or of ``columns``, see :func:`arrow_schema`); a
+    missing, extra or mistyped column raises."""
+    schema = arrow_schema(name, columns)
     if table.column_names != schema.names:
         missing = [c for c in schema.names if c not in table.column_names]
         extra = [c for c in table.column_names if c not in schema.names]

@@ -6,10 +6,10 @@ import os
 
 # Under pytest-xdist the workers share the machine's cores: each worker, and every process it starts
 # (inheriting these variables), gets its share of threads instead of all of them, so two workers on
-# two cores do not run four spinning OpenMP threads. Set before torch and numba are imported.
+# two cores do not run four spinning OpenMP threads. Set before torch is imported.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _share = str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_name, _share)
 
 import random  # noqa: E402

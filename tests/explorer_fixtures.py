@@ -41,7 +41,7 @@ def explorer_atlas(llama_dir, tmp_path_factory) -> Path:
     assert (model.n_layers, model.d_ff, model.gated) == (2, 96, True)
     root = tmp_path_factory.mktemp("explorer")
     atlas = kvmem.scan(model, _corpus(), out=root / "atlas", top_k=6, window=48, max_tokens=2400, per_document=True,
-                       random_samples=8, progress=False)
+                       random_samples=8, progress=False, projections="eager")  # search by promoted token reads them
     frame, metadata = build_taxonomy(model, atlas=atlas)
     write_taxonomy(frame, metadata, atlas.path / FILE)
     kvmem.explain(atlas, neurons=EXPLAINED)

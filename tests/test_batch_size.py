@@ -15,7 +15,6 @@ from torch.utils._pytree import tree_leaves
 
 from kvmem.plan import Batch, WindowText
 from kvmem.scanning import distributed, runner
-from kvmem.scanning.backends import select_backend
 from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
 
@@ -72,14 +71,13 @@ def step_peak(model, config, window: int, batch: Batch) -> int:
     state = runner._fresh_state(model, config, runner._check_layers(model, config))  # a first, dense batch
     plan = runner.token_plan(model, config, batch_size=len(batch.windows))
     with LiveBytes() as peak:
-        runner._run_batch(model, batch, plan, config, state, select_backend("cpu", "torch"))
+        runner._run_batch(model, batch, plan, config, state)
     return peak.bytes
 
 
 def test_the_estimate_holds_for_long_documents(gpt2_model, monkeypatch):
     """The probe's peak at 8 windows, scaled to B windows, bounds a first batch's peak at 16 and 64 windows
     for one long document, a long document after short ones, and short documents each."""
-    monkeypatch.setenv("KVMEM_KERNELS", "torch")  # the GPU's backend
     window = 32
     config = ScanConfig(per_document=True, window=window, top_k=25, batch_size="auto")
     layers = runner._check_layers(gpt2_model, config)
@@ -104,7 +102,7 @@ def test_a_resumed_scan_keeps_the_recorded_batch_size(gpt2_model, tmp_path):
     """An 'auto' scan resumed from a checkpoint takes the size the checkpoint was saved with, whatever a
     new probe would choose (here the CPU's rule gives 2048 // 32 = 64 windows, the checkpoint says 3)."""
     config = ScanConfig(window=32, batch_size="auto", max_tokens=200, checkpoint_every=50)
-    state = runner.stream(gpt2_model, "pydoc", window=32, batch_size=3, max_tokens=100, backend="torch")
+    state = runner.stream(gpt2_model, "pydoc", window=32, batch_size=3, max_tokens=100)
     plan = runner.token_plan(gpt2_model, config, batch_size=3)
     save_state(tmp_path / "atlas.checkpoint", state, {"plan": plan.to_dict()})
     assert runner.resolve_batch_size(gpt2_model, config, 32) == 64

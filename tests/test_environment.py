@@ -49,16 +49,12 @@ def test_a_scan_records_the_variables_set_while_it_ran(gpt2_model, tmp_path, mon
     for name in environment.VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("KVMEM_KERNELS", "torch")
     monkeypatch.setenv("KVMEM_PREFETCH", " 0 ")
     docs = ["The cat sat on the mat. " * 10]
     atlas = kvmem.scan(gpt2_model, docs, out=tmp_path / "a", max_tokens=100, progress=False)
-    assert atlas.manifest.environment["variables"] == {"KVMEM_CACHE": str(tmp_path / "cache"),
-                                                      "KVMEM_KERNELS": "torch", "KVMEM_PREFETCH": "0"}
-    assert atlas.manifest.backend == "torch"
-    monkeypatch.delenv("KVMEM_KERNELS")
+    assert atlas.manifest.environment["variables"] == {"KVMEM_CACHE": str(tmp_path / "cache"), "KVMEM_PREFETCH": "0"}
     monkeypatch.delenv("KVMEM_PREFETCH")
-    atlas = kvmem.scan(gpt2_model, docs, out=tmp_path / "b", max_tokens=100, progress=False, backend="torch")
+    atlas = kvmem.scan(gpt2_model, docs, out=tmp_path / "b", max_tokens=100, progress=False)
     assert kvmem.open(tmp_path / "b").manifest.environment["variables"] == {"KVMEM_CACHE": str(tmp_path / "cache")}
 
 

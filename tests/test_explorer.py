@@ -484,3 +484,37 @@ def test_the_docs_name_every_route_and_parameter(explorer_atlas):
     assert len(names) > 15
     missing = sorted(name for name in names if f"`{name}`" not in docs)
     assert missing == [], missing
+
+
+def test_an_atlas_without_projection_tables_computes_them_with_the_model_or_says_how(explorer_atlas, tmp_path):
+    """A lazily scanned atlas (no values / keys tables): with the scanned model loaded the neuron page's
+    projections are computed on demand, equal to the tables' rows; without a model the page says so and how to
+    write them, and a search by a promoted token (every neuron's) names the command."""
+    lazy = tmp_path / "lazy"
+    shutil.copytree(explorer_atlas, lazy)
+    for name in ("values", "keys"):
+        (lazy / f"{name}.parquet").unlink()
+    eager = kvmem.open(explorer_atlas)
+    server = start_server(lazy, log=tmp_path / "model.log")
+    try:
+        assert server.wait_model()["state"] == "ready"
+        code, view = server.json("/api/neuron/1/3")
+        assert code == 200 and view["projections"] == "computed on demand from the model"
+        for convention, groups in view["neuron"]["values"].items():
+            want = eager.values(1, 3, convention=convention, kind="promote")
+            assert [entry["token_id"] for entry in groups["promote"]] == want.token_id.tolist()
+            assert [entry["score"] for entry in groups["promote"]] == pytest.approx(want.score.tolist(), rel=1e-6)
+        assert set(view["neuron"]["keys"]) == {"key", "gate"}
+    finally:
+        server.stop()
+    server = start_server(lazy, "--no-model", log=tmp_path / "none.log")
+    try:
+        code, view = server.json("/api/neuron/1/3")
+        assert code == 200 and f"kvmem project --atlas {lazy}" in view["projections"]
+        assert not any(groups for groups in view["neuron"]["values"].values())
+        assert server.get("/neuron/1/3")[0] == 200
+        code, error = server.json("/api/search?by=promotes&q=the")
+        assert code == 400 and "kvmem project --atlas" in error["error"]["message"]
+        assert server.json("/api/search?by=fires&q=the")[0] == 200  # searches that need no value table still work
+    finally:
+        server.stop()

@@ -15,12 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import host_syncs  # noqa: E402  (a script, found on the benchmarks path)
 
 from kvmem.scanning.reads import Reads, run_rounds, sizes  # noqa: E402
+from kvmem.scanning.statistics import OPTIONAL  # noqa: E402
 
 
 @pytest.mark.parametrize("per_document", [False, True])
 def test_two_waits_per_layer_and_batch(gpt2_model, per_document):
-    result = host_syncs.count(gpt2_model, "pydoc", tokens=700, backend="torch", per_document=per_document,
-                              batch_size="2")
+    """Every statistic composed (the optional ones too): their reads share the layer's two rounds."""
+    result = host_syncs.count(gpt2_model, "pydoc", tokens=700, per_document=per_document, batch_size="4",
+                              statistics=OPTIONAL)
     assert result["batches"] >= 3 and result["layers"] == 2
     assert result["step_syncs_per_layer_per_batch"] <= 2, result
     assert set(result["step_syncs_by_operator_per_batch"]) == {"Tensor.tolist"}, result

@@ -33,7 +33,7 @@ def test_load_scan_open_and_query_leave_the_collector_and_threads_as_found(gpt2_
         model = kvmem.load_model(gpt2_dir, device="cpu")
         assert _process_state() == before
         atlas = kvmem.scan(model, ["The cat sat on the mat. " * 30, "Assert statements insert checks. " * 30],
-                           out=tmp_path / "atlas", max_tokens=300, backend="torch", progress=False)
+                           out=tmp_path / "atlas", max_tokens=300, progress=False, projections="eager")
         assert _process_state() == before
         atlas = kvmem.open(tmp_path / "atlas")
         atlas.neuron(1, 3)

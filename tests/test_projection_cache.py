@@ -17,7 +17,6 @@ from kvmem.atomic import waited_lock
 from kvmem.scanning import projection
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.projection import cached_projection_files
-from kvmem.scanning.projection_screen import ENV
 
 CONFIG = ScanConfig(top_n=4)
 
@@ -80,28 +79,21 @@ def test_a_change_in_what_is_projected_invalidates_the_cache(llama_dir, cache):
     assert row.token_id.tolist() == want["top_ids"][0].tolist()
 
 
-def test_exact_methods_share_the_cache_and_the_plain_float32_one_does_not(llama_dir, cache, monkeypatch):
-    """The exact methods give the same numbers to the bit, so one entry serves them all; fp32-topk
-    (GEMM-rounded scores) has its own. The record beside the tables names the method that computed them."""
+def test_the_record_beside_the_tables_names_the_method(llama_dir, cache):
+    """The entry records the method that computed it; a second call reads the entry (the same files)."""
     model = kvmem.load_model(llama_dir)
     layers = list(range(model.n_layers))
-    monkeypatch.setenv(ENV, "torch-screen")
     first = cached_projection_files(model, layers, CONFIG)
     assert not first["cached"] and first["method"] == "torch-screen"
-    for method in ("bf16-screen", "fp32-screen"):
-        monkeypatch.setenv(ENV, method)
-        again = cached_projection_files(model, layers, CONFIG)
-        assert again["cached"] and again["files"] == first["files"] and again["method"] == "torch-screen"
-    monkeypatch.setenv(ENV, "fp32-topk")
-    plain = cached_projection_files(model, layers, CONFIG)
-    assert not plain["cached"] and plain["files"] != first["files"] and plain["method"] == "fp32-topk"
+    again = cached_projection_files(model, layers, CONFIG)
+    assert again["cached"] and again["files"] == first["files"] and again["method"] == "torch-screen"
     computed = tables(first)["keys"].to_pandas()
     assert len(computed) == model.n_layers * model.d_ff * 2 * 2 * CONFIG.top_n  # key and gate, top and bottom
 
 
 def test_atlas_links_the_cached_files_and_survives_their_deletion(gpt2_model, cache, tmp_path):
     atlas = kvmem.scan(gpt2_model, ["one small document.", "and another one"], out=tmp_path / "a", top_k=2,
-                       window=8, top_n=3, progress=False)
+                       window=8, top_n=3, progress=False, projections="eager")
     files = cached_projection_files(gpt2_model, atlas.layers, atlas.manifest.config)
     assert files["cached"] and atlas.manifest.projection["method"] == files["method"]
     for name, source in files["files"].items():
@@ -133,18 +125,17 @@ def test_a_process_waiting_for_an_entry_reads_it_instead_of_computing_it(gpt2_mo
     assert tables(got)["values"].equals(tables(computed)["values"])
 
 
-def test_a_cached_entry_is_read_without_choosing_a_method(gpt2_model, cache, monkeypatch):
-    """Choosing a method loads the projection kernels (about a second from numba's disk cache); a scan whose
-    projections are cached needs none of them, so it never chooses."""
+def test_a_cached_entry_is_read_without_projecting(gpt2_model, cache, monkeypatch):
+    """A scan whose projections are cached projects nothing; a missing entry does."""
     layers = list(range(gpt2_model.n_layers))
     first = cached_projection_files(gpt2_model, layers, CONFIG)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("select_method called for a cached entry")
+        raise AssertionError("projected for a cached entry")
 
-    monkeypatch.setattr(projection, "select_method", refuse)
+    monkeypatch.setattr(projection, "project_rows", refuse)
     second = cached_projection_files(gpt2_model, layers, CONFIG)
     assert not first["cached"] and second["cached"] and second["files"] == first["files"]
     assert second["method"] == first["method"] != "unknown"
-    with pytest.raises(AssertionError, match="select_method called"):  # a missing entry does choose
+    with pytest.raises(AssertionError, match="projected for a cached entry"):  # a missing entry does project
         cached_projection_files(gpt2_model, layers[:1], CONFIG)

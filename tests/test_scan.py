@@ -184,7 +184,7 @@ def test_trigger_text(gpt2_model, gpt2_atlas):
 def test_byte_identical_and_round_trip(gpt2_model, gpt2_atlas, tmp_path):
     again = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "again", top_k=K, window=WINDOW, batch_size=3,
                        per_document=True, top_n=5, progress=False)
-    for table in ("neurons", "triggers", "values", "keys", "histograms"):
+    for table in ("neurons", "triggers", "contexts", "samples", "histograms", "unigrams"):
         assert (gpt2_atlas.path / f"{table}.parquet").read_bytes() == (again.path / f"{table}.parquet").read_bytes()
     reopened = kvmem.open(gpt2_atlas.path)
     assert reopened.neurons.equals(gpt2_atlas.neurons)
@@ -216,11 +216,10 @@ def test_queries(gpt2_model, gpt2_atlas):
         gpt2_atlas.top_neurons(token=" Parisian", tokenizer=gpt2_model.tokenizer)
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
-def test_non_finite_coefficients_are_refused(gpt2_model, tmp_path, backend, bad):
+def test_non_finite_coefficients_are_refused(gpt2_model, tmp_path, bad):
     """One NaN or ±inf coefficient (layer 1, the second batch) stops the scan with one line naming the
-    layer and the batch, on both backends; nothing is written."""
+    layer and the batch; nothing is written."""
     from kvmem.scanning import runner
 
     real, batches = runner.capture_coefficients, [0]
@@ -239,7 +238,7 @@ def test_non_finite_coefficients_are_refused(gpt2_model, tmp_path, backend, bad)
         with pytest.raises(kvmem.KvmemError, match=r"layer 1 gave non-finite coefficients \(NaN or ±inf\) in batch 1 "
                                                    r".*scan in float32 or bfloat16"):
             kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "a", top_k=2, window=WINDOW, batch_size=2,
-                       per_document=True, progress=False, backend=backend)
+                       per_document=True, progress=False)
     finally:
         runner.capture_coefficients = real
     assert batches[0] == 2 and not (tmp_path / "a").exists()

@@ -18,9 +18,12 @@ SHARDABLE = dict(top_k=K, window=WINDOW, batch_size=3, per_document=True, top_n=
 
 
 def assert_same_atlas(a, b):
-    """Every table byte-identical and the manifests equal but for timing."""
-    for table in kvmem.schema.TABLES:
-        assert (a.path / f"{table}.parquet").read_bytes() == (b.path / f"{table}.parquet").read_bytes(), table
+    """The same tables, every one byte-identical, and the manifests equal but for timing."""
+    tables = sorted(p.name for p in a.path.glob("*.parquet"))
+    assert tables == sorted(p.name for p in b.path.glob("*.parquet"))
+    assert {f"{table}.parquet" for table in kvmem.schema.TABLES} - set(tables) <= {"values.parquet", "keys.parquet"}
+    for table in tables:
+        assert (a.path / table).read_bytes() == (b.path / table).read_bytes(), table
     ma, mb = (json.loads((x.path / "manifest.json").read_text()) for x in (a, b))
     ma.pop("timing"), mb.pop("timing")
     assert ma == mb
@@ -43,13 +46,11 @@ def test_shards_merge_to_single_scan(gpt2_dir, gpt2_model, tmp_path):
     with pytest.raises(kvmem.KvmemError, match=r"is not a shard atlas"):
         kvmem.merge([whole, shards[1]], out=tmp_path / "bad", model=gpt2_model)
     used = shards[0].manifest.engine
-    assert used["backend"] in ("numba", "torch") and (used["device"], used["dtype"]) == ("cpu", "float32")
-    other_backend = "torch" if used["backend"] == "numba" else "numba"
-    mixed = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "t1", shard=(1, 3), backend=other_backend, **SHARDABLE)
-    assert mixed.manifest.backend == other_backend
-    with pytest.raises(kvmem.KvmemError, match=rf"cannot merge .*t1 with .*s0: .*t1 was scanned with streaming "
-                                               rf"backend {other_backend}, .*s0 with {used['backend']}"):
-        kvmem.merge([shards[0], mixed, shards[2]], out=tmp_path / "mixed-backend", model=gpt2_model)
+    assert (used["device"], used["dtype"]) == ("cpu", "float32") and "extremes" in used["statistics"]
+    more = kvmem.scan(gpt2_model, SHORT_DOCS, out=tmp_path / "t1", shard=(1, 3), statistics=("magnitude_percentiles",),
+                      **SHARDABLE)
+    with pytest.raises(kvmem.KvmemError, match=r"cannot merge .*t1 with .*s0: their scan differ"):
+        kvmem.merge([shards[0], more, shards[2]], out=tmp_path / "mixed-statistics", model=gpt2_model)
     half = kvmem.load_model(gpt2_dir, device="cpu", dtype="bfloat16")
     low = kvmem.scan(half, SHORT_DOCS, out=tmp_path / "b2", shard=(2, 3), **SHARDABLE)
     with pytest.raises(kvmem.KvmemError, match=r"cannot merge .*b2 with .*s0: .*b2 was scanned with dtype bfloat16"):
@@ -79,6 +80,7 @@ def test_resume_after_sigkill(gpt2_dir, gpt2_model, tmp_path):
 
     from kvmem.scanning import runner
     from kvmem.scanning.checkpoint import load_state
+    from kvmem.scanning.config import ScanConfig
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": t}) for t in SHORT_DOCS * 4))
@@ -117,9 +119,9 @@ kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r
 
     with pytest.raises(kvmem.KvmemError, match="cannot resume from .*: these settings differ from the checkpoint's: top_k"):
         kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False, **{**settings, "top_k": 3})
-    other_backend = "torch" if saved["header"]["backend"] == "numba" else "numba"
-    with pytest.raises(kvmem.KvmemError, match="these settings differ from the checkpoint's: backend;"):
-        kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False, backend=other_backend, **settings)
+    with pytest.raises(kvmem.KvmemError, match="these settings differ from the checkpoint's: statistics;"):
+        kvmem.scan(gpt2_model, str(corpus), out=out, resume=True, progress=False,
+                   **{**settings, "statistics": ("magnitude_percentiles",)})
     half = kvmem.load_model(gpt2_dir, device="cpu", dtype="bfloat16")
     with pytest.raises(kvmem.KvmemError, match="these settings differ from the checkpoint's: .*dtype"):
         kvmem.scan(half, str(corpus), out=out, resume=True, progress=False, **settings)
@@ -130,7 +132,8 @@ kvmem.scan(kvmem.load_model({str(gpt2_dir)!r}), {str(corpus)!r}, out={str(out)!r
     state_file.write_text(json.dumps(meta))
     windows_first = {**saved["header"], "plan": {**saved["header"]["plan"], "longest_windows_first": True}}
     with pytest.raises(kvmem.KvmemError, match="an earlier kvmem wrote it, which read each block's documents"):
-        load_state(state_file.parent, windows_first)  # a default scan's plan now reads windows longest first
+        load_state(state_file.parent, windows_first,  # a default scan's plan now reads windows longest first
+                   runner.statistics_of(gpt2_model, ScanConfig(**settings)))
     real, computed = runner._run_batch, []
     try:
         runner._run_batch = lambda model, batch, *a, **kw: (computed.append(batch), real(model, batch, *a, **kw))[1]
@@ -156,7 +159,7 @@ def test_checkpoint_with_pickle_payload_is_refused(gpt2_model, tmp_path):
     checkpoint = tmp_path / "atlas.checkpoint"
     checkpoint.mkdir()
     (checkpoint / "state.x.safetensors").write_bytes(pickle.dumps(Payload()))
-    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 3, "generation": "x",
+    (checkpoint / "state.json").write_text(json.dumps({"kvmem_state": 4, "generation": "x",
                                                       "tensor_file": "state.x.safetensors"}))
     with pytest.raises(kvmem.KvmemError) as error:
         kvmem.scan(gpt2_model, SHORT_DOCS, out=out, resume=True, checkpoint_every=5, progress=False)

@@ -2,7 +2,7 @@
 one stream over the whole corpus holds (histograms, random sample, bin samples, moments, top-k).
 
 Public functions only: ``kvmem.scanning.runner.stream`` (the pass alone) and ``ScanState.merge``
-(which merges layer states with ``kvmem.scanning.state.merge_states``). Oracles: HF forwards
+(which merges each layer's states, one statistic at a time, ``LayerState.merge``). Oracles: HF forwards
 with a down-projection pre-hook, bins from the documented edges, the sampling keys re-derived in
 plain Python integers (tests/hf_oracle.py).
 """
@@ -16,7 +16,6 @@ from hf_oracle import histogram_bins, positions, sampling_key
 
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.runner import stream
-from kvmem.scanning.state import merge_states
 
 WINDOW = 8
 RANDOM = 12  # random sample size, well below the ~150 positions
@@ -44,10 +43,10 @@ def test_merged_histograms_equal_brute_force(states):
     for layer, m in acts.items():
         expected = np.stack([np.bincount(histogram_bins(m[:, n], edges), minlength=HIST_BINS) for n in range(m.shape[1])])
         state = merged.layer_states[layer]
-        assert state.count == len(codes)
-        np.testing.assert_array_equal(state.histogram.numpy(), expected)
+        assert state["moments"].count == len(codes)
+        np.testing.assert_array_equal(state["histogram"].counts.numpy(), expected)
         # and each shard alone counted only its own positions
-        assert (a.layer_states[layer].histogram.sum(1) == a.tokens).all()
+        assert (a.layer_states[layer]["histogram"].counts.sum(1) == a.tokens).all()
 
 
 def test_merged_random_sample_is_the_smallest_keys_of_the_whole_stream(states):
@@ -56,10 +55,10 @@ def test_merged_random_sample_is_the_smallest_keys_of_the_whole_stream(states):
     order = sorted(range(len(codes)), key=lambda i: (keys[i], int(codes[i])))[:RANDOM]
     # both shards hold some of the whole stream's sample: a merge that drops either is caught
     for shard in (a, b):
-        assert set(codes[order].tolist()) & set(shard.layer_states[1].random.codes.tolist())
+        assert set(codes[order].tolist()) & set(shard.layer_states[1]["samples"].random.codes.tolist())
     merged = a.merge(b)
     for layer, m in acts.items():
-        sample = merged.layer_states[layer].random
+        sample = merged.layer_states[layer]["samples"].random
         assert sample.codes.tolist() == codes[order].tolist()
         np.testing.assert_allclose(sample.values.numpy(), m[order], rtol=1e-5, atol=1e-6)
 
@@ -70,7 +69,7 @@ def test_merged_bin_samples_are_the_smallest_keys_of_each_bin(states):
     merged = a.merge(b)
     edges = bin_edges()
     for layer, m in acts.items():
-        got = merged.layer_states[layer].bins.codes.numpy()  # [F, B, Q]
+        got = merged.layer_states[layer]["samples"].bins.codes.numpy()  # [F, B, Q]
         for neuron in (0, 9, 200):
             bins = histogram_bins(m[:, neuron], edges)
             for b_ in np.unique(bins):
@@ -84,21 +83,23 @@ def test_merged_moments_and_triggers_equal_brute_force(states):
     merged = a.merge(b)
     for layer, m in acts.items():
         state = merged.layer_states[layer]
-        total, total_sq = state.sums()
+        total, total_sq = state["moments"].sums()
         m64 = m.astype(np.float64)
         np.testing.assert_allclose(total.numpy(), m64.sum(0), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(total_sq.numpy(), (m64 ** 2).sum(0), rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(state.positive.numpy(), (m > 0).sum(0))
+        np.testing.assert_array_equal(state["histogram"].positive.numpy(), (m > 0).sum(0))
         for neuron in (3, 250):
             top = np.argsort(-m[:, neuron], kind="stable")[:4]
-            assert state.top.codes[:, neuron].tolist() == codes[top].tolist()
+            assert state["extremes"].top.codes[:, neuron].tolist() == codes[top].tolist()
 
 
 def test_merge_is_symmetric(states):
     """The order of the two shards does not matter (a, b) vs (b, a): the same layer states."""
     (a, b), _, _ = states
     for layer in a.layers:
-        one = merge_states(a.layer_states[layer], b.layer_states[layer])
-        two = merge_states(b.layer_states[layer], a.layer_states[layer])
-        assert one.histogram.equal(two.histogram) and one.random.codes.equal(two.random.codes)
-        assert one.top.codes.equal(two.top.codes) and one.bins.codes.equal(two.bins.codes)
+        one = a.layer_states[layer].merge(b.layer_states[layer])
+        two = b.layer_states[layer].merge(a.layer_states[layer])
+        assert one["histogram"].counts.equal(two["histogram"].counts)
+        assert one["samples"].random.codes.equal(two["samples"].random.codes)
+        assert one["extremes"].top.codes.equal(two["extremes"].top.codes)
+        assert one["samples"].bins.codes.equal(two["samples"].bins.codes)

@@ -9,6 +9,7 @@ from conftest import SHORT_DOCS
 
 import kvmem
 from kvmem.scanning import writer
+from kvmem.scanning.statistics import extremes, samples
 
 WINDOW = 8
 
@@ -18,14 +19,14 @@ def test_tables_built_with_one_torch_thread_and_the_count_restored(gpt2_model, t
     tables are built with one, and the caller's count comes back, after a scan and after a failed one
     (which also ends the open table streams' writer threads: the scan returns, nothing is left behind)."""
     seen = {}
-    for name in ("neurons_table", "trigger_part"):
-        build = getattr(writer, name)
+    for module, name in ((writer, "neurons_table"), (extremes, "trigger_part")):
+        build = getattr(module, name)
 
         def spy(*args, build=build, name=name, **kwargs):
             seen[name] = torch.get_num_threads()
             return build(*args, **kwargs)
 
-        monkeypatch.setattr(writer, name, spy)
+        monkeypatch.setattr(module, name, spy)
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -33,10 +34,10 @@ def test_tables_built_with_one_torch_thread_and_the_count_restored(gpt2_model, t
         assert seen == {"neurons_table": 3, "trigger_part": 1}
         assert torch.get_num_threads() == 3
 
-        def fails(layer, state):
+        def fails(*args):
             raise RuntimeError("table build failed")
 
-        monkeypatch.setattr(writer, "sample_part", fails)  # the samples and triggers streams are open then
+        monkeypatch.setattr(samples.Samples, "layer_part", fails)  # the layer tables' streams are open then
         with pytest.raises(RuntimeError, match="table build failed"):
             kvmem.scan(gpt2_model, SHORT_DOCS[:3], out=tmp_path / "b", top_k=2, window=WINDOW, progress=False)
         assert torch.get_num_threads() == 3
@@ -50,15 +51,19 @@ def test_a_stream_takes_parts_and_part_builders(tmp_path):
     nothing for a layer: the file is the one ``add`` writes for the whole table. A builder that fails
     fails ``wait`` with its own error."""
     import numpy as np
-
-    from kvmem.scanning.state import new_layer_state
-    from kvmem.scanning.tables import histograms_table
+    import pyarrow as pa
+    from layer_driver import new_layer
 
     rng = np.random.default_rng(0)
     states = {}
     for layer in (0, 1, 3):
-        states[layer] = new_layer_state(5, 2, per_document=False, context_width=1)
-        states[layer].histogram += torch.from_numpy(rng.integers(0, 9, states[layer].histogram.shape))
+        states[layer] = new_layer(5, 2)
+        counts = states[layer]["histogram"].counts
+        counts += torch.from_numpy(rng.integers(0, 9, counts.shape))
+
+    def histograms_table(layers, states):
+        statistic = states[layers[0]].composition["histogram"]
+        return pa.concat_tables([states[layer].part("histograms", layer, statistic) for layer in layers])
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     with writer.TableWriter(whole, overwrite=False) as out:
         out.add("histograms", histograms_table([0, 1, 3], states))

@@ -181,6 +181,8 @@ class LayerExamples:
 
 
 def _layer_table(atlas, table: str, layer: int, wanted: np.ndarray) -> pa.Table:
+    if table == "values" and not (atlas.path / "values.parquet").exists():  # computed on demand, in neuron order
+        return atlas.projection_rows(table, layer, wanted.tolist()).select(_NEEDS[table])
     rows = pq.read_table(atlas.path / f"{table}.parquet", columns=_NEEDS[table], filters=[("layer", "=", layer)])
     neuron = np.asarray(rows.column("neuron").to_numpy(), np.int64)
     keep = np.flatnonzero(np.isin(neuron, wanted))

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "anatomy": ("anatomy_cmd", "per-layer FFN parameter counts of a model beside the formula"),
     "scan": ("scan_cmd", "scan a corpus into a memory atlas"),
     "merge": ("scan_cmd", "merge shard atlases into one"),
+    "project": ("scan_cmd", "write an atlas's value and key projection tables (a lazy scan computes them on demand)"),
     "info": ("query_cmd", "summarise an atlas"),
     "top": ("query_cmd", "memories that promote a token, or fire right before it"),
     "neuron": ("query_cmd", "one memory: statistics, triggers, value and key projections"),

@@ -35,11 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         add_neurons_option(parser, "the neurons to show", positional=True)
         parser.add_argument("--convention", default=None, choices=list(CONVENTIONS), help=_CONVENTION_HELP)
         parser.add_argument("-n", type=int, default=10, help="rows per section")
+        parser.add_argument("--model", default=None,
+                            help="the scanned model, for projections the atlas does not hold (default: the one the "
+                                 "manifest names, loaded when needed)")
 
 
 def run(args: argparse.Namespace) -> int:
     neurons = parse_neurons(args.neurons) if args.command == "neuron" else None  # checked before the atlas opens
-    atlas = kvmem.open(args.atlas)
+    model = kvmem.load_model(args.model) if args.command == "neuron" and args.model else None
+    atlas = kvmem.open(args.atlas, model=model)
     if args.command == "info":
         m = atlas.manifest
         print(atlas)
@@ -47,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
               f"{'gated' if m.model['gated'] else 'plain'} FFN")
         print(f"corpus: {m.corpus['spec']} ({m.corpus['documents']:,} documents), window {m.tokenization['window']}, "
               f"first {m.tokenization.get('skip_first', 0)} token(s) of each window read, not scored")
-        print(f"conventions: {', '.join(m.projection['conventions'])}; kvmem {m.kvmem_version}")
+        print(f"conventions: {', '.join(m.projection['conventions'])}; projection tables: "
+              f"{'written' if atlas.has_projections else 'none (computed per neuron on demand; kvmem project writes them)'}"
+              f"; kvmem {m.kvmem_version}")
         summary = atlas.neurons.groupby("layer").agg(mean=("mean", "mean"), max=("max", "max"),
                                                       active=("frac_positive", "mean"), value_norm=("value_norm", "mean"))
         print_table(summary.reset_index(), floats={"active": "{:.1%}"})

@@ -1,4 +1,4 @@
-"""``kvmem scan`` and ``kvmem merge``."""
+"""``kvmem scan``, ``kvmem merge`` and ``kvmem project`` (an atlas's projection tables)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from kvmem.conventions import CONVENTIONS
 from kvmem.devices import device_help
 from kvmem.plan import BATCH_SIZE_HELP
 from kvmem.scanning import distributed
-from kvmem.scanning.config import ScanConfig, parse_shard
+from kvmem.scanning.config import PROJECTIONS, ScanConfig, parse_shard
+from kvmem.scanning.statistics import OPTIONAL
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -19,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--out", required=True, help="merged atlas directory")
         parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
         parser.add_argument("--quiet", action="store_true", help="no progress bars")
+        return
+    if command == "project":
+        parser.add_argument("--atlas", required=True, help="the atlas to write the values and keys tables into")
+        parser.add_argument("--model", default=None, help="the scanned model (default: the one the manifest names)")
+        parser.add_argument("--device", default=None, help=device_help())
+        parser.add_argument("--quiet", action="store_true", help="no progress bar")
         return
     parser.add_argument("--model", required=True,
                         help="a built-in (smollm2-135m, gpt2-random), a local HF directory or a hub id")
@@ -47,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help=f"comma-separated value projection conventions (default: all, {','.join(CONVENTIONS)})")
     parser.add_argument("--no-key-projections", action="store_true",
                         help="skip projecting keys through the input embedding (saves vocabulary passes)")
+    parser.add_argument("--projections", default="lazy", choices=list(PROJECTIONS),
+                        help="lazy (default): no value/key projection tables; a neuron's are computed from the model "
+                             "on demand, 'kvmem project' writes them all; eager: the scan writes them")
+    parser.add_argument("--statistics", default="", metavar="NAME[,NAME]",
+                        help=f"optional statistics to keep besides the default ones ({', '.join(OPTIONAL)})")
     parser.add_argument("--no-context-activations", action="store_true",
                         help="do not store each kept trigger's coefficients on its context tokens (they come from "
                              "the same forward; skipping them saves memory and atlas space)")
@@ -76,6 +88,21 @@ def run(args: argparse.Namespace) -> int:
         print(atlas)
         print(closing_line(atlas.manifest).replace("scanned", "merged", 1))
         return 0
+    if args.command == "project":
+        atlas = kvmem.open(args.atlas)
+        model = None
+        if args.model is not None or args.device is not None:
+            from kvmem.scanned import load_scanned_model
+
+            model = (kvmem.load_model(args.model, device=args.device) if args.model is not None
+                     else load_scanned_model(atlas, device=args.device))
+        done = atlas.project(model=model, progress=not args.quiet)
+        if not done["written"]:
+            print(f"{atlas.path} holds its values and keys tables already")
+        else:
+            print(f"wrote the values and keys tables of {atlas.path} ({done['method']}"
+                  f"{', from the model cache' if done['cached'] else ''}) in {done['seconds']:.1f} s")
+        return 0
     settings = dict(
         layers=parse_layers(args.layers), top_k=args.top_k, per_document=args.per_document,
         max_tokens=args.max_tokens, window=args.window, batch_size=args.batch_size, prepend_bos=not args.no_bos,
@@ -83,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
         top_n=args.top_n, conventions=tuple(c.strip() for c in args.conventions.split(",") if c.strip()),
         context_activations=not args.no_context_activations, key_projections=not args.no_key_projections, shard=parse_shard(args.shard),
         checkpoint_every=args.checkpoint_every, block_documents=args.block_documents,
-        sort_by_length=not args.no_length_sort, taxonomy_sums=not args.no_taxonomy_sums)
+        sort_by_length=not args.no_length_sort, taxonomy_sums=not args.no_taxonomy_sums,
+        projections=args.projections,
+        statistics=tuple(name.strip() for name in args.statistics.split(",") if name.strip()))
     if args.random_samples is not None:
         settings["random_samples"] = args.random_samples
 

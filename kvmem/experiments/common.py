@@ -232,10 +232,10 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     """Per neuron of ``layer``: the token its value promotes most and the one it suppresses most.
 
     Returns (top [d_ff], bottom [d_ff]) int64 token ids, argmax and argmin of the value's vocabulary
-    scores under ``convention``. Read from the atlas's values table (rank 0) when ``atlas`` holds the
-    layer and convention; otherwise computed from the model in blocks of ``block`` neurons.
+    scores under ``convention``. Read from the atlas's values table (rank 0) when ``atlas`` holds it, the
+    layer and the convention; otherwise computed from the model in blocks of ``block`` neurons.
     """
-    if atlas is not None and layer in atlas.layers and convention in atlas.conventions:
+    if atlas is not None and layer in atlas.layers and convention in atlas.conventions and atlas.has_projections:
         if atlas not in _VALUE_TOPS:  # the values table's rank-0 rows, read once per atlas
             _VALUE_TOPS[atlas] = read_columns(atlas, "values", ["layer", "convention", "neuron", "kind", "token_id"],
                                               [("rank", "=", 0)])

@@ -41,7 +41,7 @@ from starlette.staticfiles import StaticFiles
 from kvmem.errors import KvmemError
 from kvmem.explorer.edits import parse_edits
 from kvmem.explorer.live import LiveModel, ModelUnavailable, trace_view
-from kvmem.explorer.neuron_view import QUADRANTS, context_cells, neuron_view, scale_of
+from kvmem.explorer.neuron_view import QUADRANTS, context_cells, neuron_record, neuron_view, scale_of
 from kvmem.explorer.render import environment
 from kvmem.explorer.search import BY, SORTS, Query, run_search
 from kvmem.explorer.search_index import SearchIndex
@@ -235,7 +235,7 @@ def create_app(holder: Holder, live: LiveModel, *, allowed_hosts: list[str] | No
     def neuron_page(request: Request) -> Response:
         snapshot, _ = explorer.current()
         layer, neuron = request.path_params["layer"], request.path_params["neuron"]
-        view = _consistent(snapshot, lambda: neuron_view(snapshot, layer, neuron))
+        view = _consistent(snapshot, lambda: neuron_view(snapshot, layer, neuron, explorer.live))
         scale = scale_of(view)
         data = view["neuron"]
         shaded = {kind: [context_cells(t, scale) for t in rows] for kind, rows in data["triggers"].items()}
@@ -248,7 +248,7 @@ def create_app(holder: Holder, live: LiveModel, *, allowed_hosts: list[str] | No
     def api_neuron(request: Request) -> Response:
         snapshot, _ = explorer.current()
         layer, neuron = request.path_params["layer"], request.path_params["neuron"]
-        return _json(_consistent(snapshot, lambda: neuron_view(snapshot, layer, neuron)))
+        return _json(_consistent(snapshot, lambda: neuron_view(snapshot, layer, neuron, explorer.live)))
 
     def report(request: Request) -> Response:
         from kvmem.report.figures import neuron_figures
@@ -260,7 +260,7 @@ def create_app(holder: Holder, live: LiveModel, *, allowed_hosts: list[str] | No
         snapshot.check_neuron(layer, neuron)
 
         def build() -> str:
-            record = snapshot.atlas.neuron(layer, neuron)
+            record, _ = neuron_record(snapshot, layer, neuron, explorer.live)
             data = neuron_data(snapshot.atlas, layer, neuron, record=record)
             return render_neuron(data, neuron_figures(record, data))
 

@@ -15,7 +15,7 @@ import math
 from kvmem.report.record import neuron_data
 from kvmem.shading import Scale, cells, robust_scale
 
-__all__ = ["SCHEMA", "neuron_view", "context_cells", "QUADRANTS"]
+__all__ = ["SCHEMA", "neuron_view", "neuron_record", "context_cells", "QUADRANTS"]
 
 SCHEMA = "kvmem.explorer.neuron/1"
 QUADRANTS = {"pp": "gate > 0, up > 0", "pn": "gate > 0, up ≤ 0", "np": "gate ≤ 0, up > 0", "nn": "gate ≤ 0, up ≤ 0"}
@@ -34,11 +34,13 @@ def _quadrant(gate: float | None, up: float | None) -> str | None:
     return ("p" if gate > 0 else "n") + ("p" if up > 0 else "n")
 
 
-def neuron_view(snapshot, layer: int, neuron: int) -> dict:
-    """Everything the neuron page shows, as JSON-ready data (schema :data:`SCHEMA`)."""
+def neuron_view(snapshot, layer: int, neuron: int, live=None) -> dict:
+    """Everything the neuron page shows, as JSON-ready data (schema :data:`SCHEMA`). ``live``: the server's
+    model (:class:`kvmem.explorer.live.LiveModel`), which computes the value and key projections of an atlas
+    that holds no projection tables (when it is ready and has the scanned weights)."""
     snapshot.check_neuron(layer, neuron)
     atlas = snapshot.atlas
-    record = atlas.neuron(layer, neuron)
+    record, note = neuron_record(snapshot, layer, neuron, live)
     explained = snapshot.explanations
     data = neuron_data(atlas, layer, neuron, record=record, explanations=snapshot.explanations_of(layer, neuron),
                        population=explained[explained.layer.to_numpy() == layer])
@@ -53,10 +55,28 @@ def neuron_view(snapshot, layer: int, neuron: int) -> dict:
             for t in rows:
                 gate, up = pre.get((kind, t["rank"]), (None, None))
                 t["gate_pre"], t["up_pre"], t["quadrant"] = gate, up, _quadrant(gate, up)
-    view = {"schema": SCHEMA, "atlas_id": snapshot.id, "neuron": data, "scale": scale.to_dict(),
+    view = {"schema": SCHEMA, "atlas_id": snapshot.id, "neuron": data, "scale": scale.to_dict(), "projections": note,
             "random_samples": _random_samples(snapshot, layer, neuron), "quadrants": _quadrants(data, record.stats),
             "links": _links(snapshot, layer, neuron)}
     return view
+
+
+def neuron_record(snapshot, layer: int, neuron: int, live):
+    """(the neuron's record, how its projections were got): read from the tables; computed on demand with the
+    server's model; or left empty, saying why."""
+    atlas = snapshot.atlas
+    if atlas.has_projections:
+        return atlas.neuron(layer, neuron), None
+    status = live.status() if live is not None else {"state": "off"}
+    if status["state"] == "ready" and status["fingerprint_match"]:
+        with live.use() as model:
+            return atlas.neuron(layer, neuron, model=model), "computed on demand from the model"
+    why = {"loading": "the model is still loading; reload this page once it is ready",
+           "ready": "the server's model has other weights than the scanned ones",
+           "failed": f"the model could not be loaded ({status.get('message')})"}.get(
+        status["state"], "this server runs without a model")
+    return (atlas.neuron(layer, neuron, projections=False),
+            f"this atlas holds no projection tables and {why}; write them with: kvmem project --atlas {atlas.path}")
 
 
 def _random_samples(snapshot, layer: int, neuron: int) -> list[dict]:

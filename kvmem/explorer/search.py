@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
+from kvmem.atlas_projections import missing_table_message
 from kvmem.errors import KvmemError
 from kvmem.explorer.search_index import SIDES, group_max, regex_mask
 from kvmem.explorer.snapshot import SCORERS, TAXONOMY_FLAGS
@@ -106,6 +107,9 @@ def _candidates(index, query: Query, convention: str) -> tuple[pd.DataFrame, str
         if query.by in ("fires", "precedes"):
             index.triggers()  # the positions' tokens join the vocabulary
         else:
+            if not snapshot.has("values"):
+                raise KvmemError(missing_table_message(snapshot.path, "values", ", and a search by a promoted or "
+                                                       "suppressed token reads every neuron's"))
             index.values(convention)
         token = index.vocabulary.match(query.q)
         if query.by in ("promotes", "suppresses"):

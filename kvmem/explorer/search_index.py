@@ -160,7 +160,8 @@ class SearchIndex:
     def _build_values(self, convention: str) -> dict:
         parts: dict[str, list] = {"promote": [], "suppress": []}
         columns = ["layer", "neuron", "convention", "kind", "rank", "token_id", "token", "score"]
-        for group in self.snapshot.atlas.row_groups("values", columns):
+        groups = self.snapshot.atlas.row_groups("values", columns) if self.snapshot.has("values") else ()
+        for group in groups:  # an atlas without the table (lazy projections): no value index, no promoted token
             group = group.filter(pc.equal(group.column("convention"), convention))
             if not len(group):
                 continue

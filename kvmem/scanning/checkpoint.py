@@ -25,33 +25,38 @@ import torch
 
 from kvmem.errors import KvmemError
 from kvmem.plan import StreamPosition, TokenPlan
-from kvmem.scanning.state import LayerState, ScanState
+from kvmem.scanning.statistics import Composition, LayerState, ScanState
 from kvmem.scanning.texts import TextStore
 
 __all__ = ["save_state", "load_state", "saved_plan", "state_to_bytes", "state_from_bytes"]
 
-_VERSION = 3  # 2: the taxonomy's sums (position, gate/up quadrants, unigrams); 3: the tensor file is
-# named per generation in state.json, and the documents read have digests
+_VERSION = 4  # 2: the taxonomy's sums (position, gate/up quadrants, unigrams); 3: the tensor file is
+# named per generation in state.json, and the documents read have digests; 4: one section per statistic
 META = "state.json"
 DIGESTS = "stream.read_digests"  # int64 [documents read]: kvmem.plan.short_digest of each
 
 
 def _split(state: ScanState, header: dict) -> tuple[dict, dict]:
-    tensors, layers = {}, {}
+    """Every statistic's tensors (names prefixed ``layer<L>.`` for a layer's) and JSON, a section each."""
+    tensors, layers, scan = {}, {}, {}
     for layer, layer_state in state.layer_states.items():
-        part, meta = layer_state.to_tensors(f"layer{layer}")
+        layers[str(layer)] = {}
+        for statistic in state.statistics.layer:
+            part, meta = statistic.to_tensors(layer_state[statistic.name], f"layer{layer}")
+            tensors.update({name: t.cpu() for name, t in part.items()})
+            layers[str(layer)][statistic.name] = meta
+    for statistic in state.statistics.scan:
+        part, scan[statistic.name] = statistic.to_tensors(state.scan_states[statistic.name], "")
         tensors.update({name: t.cpu() for name, t in part.items()})
-        layers[str(layer)] = meta
     tensors[DIGESTS] = torch.from_numpy(np.frombuffer(state.position.read_digests, dtype=np.int64).copy())
-    if state.unigrams is not None:
-        tensors["unigrams"] = state.unigrams.cpu()
-    meta = {"kvmem_state": _VERSION, "header": header, "layers": layers, "layer_order": list(state.layers),
+    meta = {"kvmem_state": _VERSION, "header": header, "statistics": state.statistics.names, "layers": layers,
+            "scan": scan, "layer_order": list(state.layers),
             "position": state.position.to_json(), "tokens": state.tokens, "windows": state.windows,
             "batches": state.batches, "seconds": state.seconds, "texts": state.texts.to_json()}
     return tensors, meta
 
 
-def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) -> ScanState:
+def _join(tensors: dict, meta: dict, header: dict | None, where: str, statistics: Composition, device) -> ScanState:
     if meta.get("kvmem_state") != _VERSION:
         raise KvmemError(f"{where} is not a kvmem scan state (or one of another version); delete it and scan again")
     if header is not None:
@@ -72,16 +77,22 @@ def _join(tensors: dict, meta: dict, header: dict | None, where: str, device) ->
         if differ:
             raise KvmemError(f"cannot resume from {where}: these settings differ from the checkpoint's: "
                              f"{', '.join(differ)}; rerun with the original settings or start over without --resume")
+    if meta.get("statistics") != statistics.names:
+        raise KvmemError(f"{where} keeps the statistics {meta.get('statistics')}, this scan keeps "
+                         f"{statistics.names}; rerun with the original settings or start over without --resume")
     digests = tensors.pop(DIGESTS, None)
     tensors = {name: t.to(device) for name, t in tensors.items()}
     layers = [int(layer) for layer in meta["layer_order"]]
     position = _position(meta["position"])
     if digests is not None:
         position.read_digests = array("q", digests.cpu().numpy().tobytes())
-    return ScanState(layers, {layer: LayerState.from_tensors(f"layer{layer}", tensors, meta["layers"][str(layer)])
-                              for layer in layers},
-                     TextStore.from_json(meta["texts"]), position, int(meta["tokens"]),
-                     int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]), tensors.get("unigrams"))
+    layer_states = {layer: LayerState(statistics, {s.name: s.from_tensors(f"layer{layer}", tensors,
+                                                                          meta["layers"][str(layer)][s.name])
+                                                   for s in statistics.layer})
+                    for layer in layers}
+    scan_states = {s.name: s.from_tensors("", tensors, meta["scan"][s.name]) for s in statistics.scan}
+    return ScanState(statistics, layers, layer_states, scan_states, TextStore.from_json(meta["texts"]), position,
+                     int(meta["tokens"]), int(meta["windows"]), int(meta["batches"]), float(meta["seconds"]))
 
 
 def _position(data: dict) -> StreamPosition:
@@ -144,8 +155,9 @@ def saved_plan(directory: Path) -> dict | None:
         return None
 
 
-def load_state(directory: Path, header: dict | None, *, device="cpu"):
-    """Read the last state committed by :func:`save_state`; ``header`` (if given) must match the saved one."""
+def load_state(directory: Path, header: dict | None, statistics: Composition, *, device="cpu"):
+    """Read the last state committed by :func:`save_state`; ``header`` (if given) must match the saved one;
+    ``statistics``: the scan's (:func:`kvmem.scanning.statistics.compose`), which must be the saved ones."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -172,7 +184,7 @@ def load_state(directory: Path, header: dict | None, *, device="cpu"):
     if generation != meta.get("generation"):
         raise KvmemError(f"checkpoint {directory} is torn (its two files come from different saves); "
                          f"delete it and scan again")
-    return _join(tensors, meta, header, str(directory), device)
+    return _join(tensors, meta, header, str(directory), statistics, device)
 
 
 def state_to_bytes(state, header: dict) -> bytes:
@@ -185,9 +197,9 @@ def state_to_bytes(state, header: dict) -> bytes:
     return len(head).to_bytes(8, "little") + head + blob
 
 
-def state_from_bytes(data: bytes, *, device="cpu"):
+def state_from_bytes(data: bytes, statistics: Composition, *, device="cpu"):
     from safetensors.torch import load
 
     size = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + size])
-    return _join(load(data[8 + size:]), meta, None, "a rank's state", device)
+    return _join(load(data[8 + size:]), meta, None, "a rank's state", statistics, device)

@@ -7,8 +7,16 @@ from dataclasses import asdict, dataclass, fields
 from kvmem.conventions import CONVENTIONS
 from kvmem.errors import KvmemError
 from kvmem.plan import DEFAULT_BLOCK_DOCUMENTS, parse_batch_size
+from kvmem.scanning.statistics import OPTIONAL
 
-__all__ = ["ScanConfig", "parse_shard", "BLOCK_DOCUMENTS_BY_UNIT"]
+__all__ = ["ScanConfig", "parse_shard", "BLOCK_DOCUMENTS_BY_UNIT", "PROJECTIONS"]
+
+# when the value and key projection tables are computed
+PROJECTIONS = {
+    "lazy": "not during the scan: Atlas.values / Atlas.keys compute a neuron's rows from the model on demand, and "
+            "kvmem project (Atlas.project) writes the whole tables",
+    "eager": "during the scan: the atlas holds values.parquet and keys.parquet (from the per-model cache)",
+}
 
 # short units need big blocks: a batch never spans a block, and sorting by length works within one
 BLOCK_DOCUMENTS_BY_UNIT = {"document": DEFAULT_BLOCK_DOCUMENTS, "paragraph": 2048, "line": 2048, "sentence": 2048}
@@ -37,6 +45,9 @@ class ScanConfig:
     top_n:            tokens kept per value / key projection, each direction
     conventions:      value projection conventions (see kvmem.conventions.CONVENTIONS)
     key_projections:  also project key (and gate) vectors through the input embedding
+    projections:      when the value and key projection tables are computed (see PROJECTIONS): ``"lazy"``
+                      (default: a neuron's rows on demand from the model, the whole tables by kvmem project)
+                      or ``"eager"`` (written by the scan, as a model's first scan then computes them all)
     shard:            (i, n): scan the blocks of documents b with b % n == i (see kvmem.plan)
     block_documents:  documents per block, the unit that shards and ranks share out (None: 64, or 2048 when
                       the corpus unit is a paragraph, line or sentence, so that sorting by length has
@@ -53,6 +64,8 @@ class ScanConfig:
     taxonomy_sums:    keep the neuron taxonomy's streaming sums (docs/taxonomy.md): Σ m·position, the gate/up
                       sign-quadrant counts and each trigger's gate and up pre-activations (gated FFNs), and
                       the corpus's unigram counts
+    statistics:       optional statistics to keep besides those the settings above imply, by name
+                      (kvmem.scanning.statistics.OPTIONAL, e.g. "magnitude_percentiles")
     """
 
     layers: tuple[int, ...] | None = None
@@ -69,6 +82,7 @@ class ScanConfig:
     top_n: int = 20
     conventions: tuple[str, ...] = ("raw", "final_norm")
     key_projections: bool = True
+    projections: str = "lazy"
     shard: tuple[int, int] = (0, 1)
     block_documents: int | None = None
     sort_by_length: bool = True
@@ -78,6 +92,7 @@ class ScanConfig:
     seed: int = 0
     checkpoint_every: int | None = None
     taxonomy_sums: bool = True
+    statistics: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def positive(name: str, value, allow_none: bool = False) -> None:
@@ -114,12 +129,21 @@ class ScanConfig:
             if not self.layers:
                 raise KvmemError("layers is empty; pass None to scan every layer")
         object.__setattr__(self, "conventions", tuple(self.conventions))
+        if self.projections not in PROJECTIONS:
+            raise KvmemError(f"projections must be one of {', '.join(PROJECTIONS)}, got {self.projections!r}")
+        if isinstance(self.statistics, str):
+            object.__setattr__(self, "statistics", (self.statistics,))
+        unknown = [name for name in self.statistics if name not in OPTIONAL]
+        if unknown:
+            raise KvmemError(f"unknown optional statistic(s) {unknown}; choose from {', '.join(OPTIONAL) or '(none)'}")
+        object.__setattr__(self, "statistics", tuple(dict.fromkeys(self.statistics)))
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["layers"] = list(self.layers) if self.layers is not None else None
         data["conventions"] = list(self.conventions)
         data["shard"] = list(self.shard)
+        data["statistics"] = list(self.statistics)
         return data
 
     @classmethod
@@ -127,7 +151,8 @@ class ScanConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values.setdefault("skip_first", 0)  # recorded since kvmem skipped first tokens; absent: every token scored
-        for name in ("layers", "conventions", "shard"):
+        values.setdefault("projections", "eager")  # recorded since projections became lazy; absent: written
+        for name in ("layers", "conventions", "shard", "statistics"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
@@ -147,6 +172,7 @@ class ScanConfig:
     def resume_key(self) -> dict:
         data = self.to_dict()
         data.pop("checkpoint_every")
+        data.pop("projections")  # what the atlas holds, not what the stream keeps
         return data
 
 

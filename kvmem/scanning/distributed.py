@@ -160,5 +160,5 @@ def gather_states(state, header: dict, *, rank: int, world: int, device):
 
     return merge_to_rank0(state, rank=rank, world=world, device=str(device),
                           to_bytes=lambda s: state_to_bytes(s, header),
-                          from_bytes=lambda data: state_from_bytes(data, device=device),
+                          from_bytes=lambda data: state_from_bytes(data, state.statistics, device=device),
                           merge=lambda a, b: a.merge(b))

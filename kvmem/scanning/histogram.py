@@ -7,7 +7,7 @@ Bins are sign-symmetric and logarithmic with two bins per octave, edges at 2^e a
 
 So bin 30 is [0, 2^-7), bin 29 is (-2^-7, -0]; a value v < 0 lands in bin 29 - j where j is
 the magnitude bin of |v|. Float32 bits give the bin directly: the exponent and the first
-mantissa bit of |v| are ``(bits & 0x7fffffff) >> 22`` (:func:`bin_of_code`, the one spelling
+mantissa bit of |v| are ``(bits & 0x7fffffff) >> 22`` (:func:`bin_of`, the one spelling
 of the rule). A scan refuses non-finite coefficients (:mod:`kvmem.scanning.step`), so NaN never
 reaches a histogram.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HIST_BINS", "N_MAGNITUDE", "MAGNITUDE_CODE_ZERO", "MAGNITUDE_EDGES", "bin_edges", "bin_of_code", "bin_of",
+__all__ = ["HIST_BINS", "N_MAGNITUDE", "MAGNITUDE_CODE_ZERO", "MAGNITUDE_EDGES", "bin_edges", "bin_of",
            "bin_index", "histogram_update", "histogram_fold",
            "reference_bin"]
 
@@ -38,18 +38,8 @@ def bin_edges() -> list[float]:
     return [-m for m in reversed(magnitudes[1:])] + magnitudes
 
 
-def bin_of_code(t):
-    """The bin of one float32 value from its bits shifted right by 22 (arithmetic): t = m for
-    v >= 0 and m - 512 for v < 0, m = exponent field * 2 + first mantissa bit of |v|. Plain
-    Python on integers, so the compiled kernels use it unchanged; :func:`bin_of` is the same
-    formula on tensors."""
-    j = min(max((t & 0x1FF) - MAGNITUDE_CODE_ZERO, 0), N_MAGNITUDE - 1)  # magnitude bin
-    return N_MAGNITUDE + (j ^ (t >> 31))  # v < 0: N_MAGNITUDE - 1 - j (j ^ -1 = -1 - j)
-
-
 def bin_of(values, *, wide: bool = True):
-    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (int32 unless ``wide``);
-    :func:`bin_of_code` on every element."""
+    """Bin of each value of a float32 tensor [..., d_ff] -> int64 tensor (int32 unless ``wide``)."""
     import torch
 
     shifted = values.contiguous().view(torch.int32) >> 22  # m for v >= 0, m - 512 for v < 0

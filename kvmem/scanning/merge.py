@@ -1,7 +1,7 @@
 """Merge shard atlases (``kvmem scan --shard i/N``) into the atlas one scan of the whole corpus gives.
 
 Each shard atlas keeps its scan state (``state/``: tensors and JSON); the merge reads those
-states, combines them with :func:`kvmem.scanning.state.merge_states` (the same merge
+states, combines them with :meth:`kvmem.scanning.statistics.ScanState.merge` (the same merge
 torchrun's ranks use) and writes the tables with the scan's own writer.
 """
 
@@ -41,6 +41,7 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     from kvmem.atomic import held_lock
     from kvmem.scanning.checkpoint import load_state
     from kvmem.scanning.progress import Phases
+    from kvmem.scanning.statistics import compose
     from kvmem.scanning.writer import STATE_DIR, write_atlas
 
     paths = [Path(getattr(a, "path", a)) for a in atlases]
@@ -52,8 +53,7 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
     found = [_shard_of(p) for p in paths]
     first, (_, count) = found[0]
     for path, (manifest, shard) in zip(paths, found):
-        for what, mine, theirs in (("streaming backend", manifest.backend, first.backend),
-                                   ("dtype", manifest.engine.get("dtype"), first.engine.get("dtype"))):
+        for what, mine, theirs in (("dtype", manifest.engine.get("dtype"), first.engine.get("dtype")),):
             if mine != theirs:
                 raise KvmemError(f"cannot merge {path} with {paths[0]}: {path} was scanned with {what} {mine}, "
                                  f"{paths[0]} with {theirs} (their sums differ); rescan {path} with {what} {theirs}")
@@ -79,15 +79,15 @@ def merge(atlases: list, *, out, overwrite: bool = False, model=None, progress: 
         check_model(first, model)  # the one fingerprint policy: a merge recomputes the atlas's numbers
     phases = Phases(progress)
     state = None
+    config, plan = first.config, first.plan  # both record shard 0/1: a shard's part is in its timing
+    statistics = compose(config, gated=model.gated)
     with phases.phase("read", total=len(paths)) as bar:
         for path in paths:
-            part = load_state(path / STATE_DIR, None, device="cpu")
+            part = load_state(path / STATE_DIR, None, statistics, device="cpu")
             state = part if state is None else state.merge(part)
             bar.update()
-    config, plan = first.config, first.plan  # both record shard 0/1: a shard's part is in its timing
     corpus = {k: v for k, v in first.corpus.items() if k not in ("documents", "sha256_chain")}
     run = {"merged_from": [str(p) for p in paths], "shard_seconds": [m.timing.get("total_seconds") for m, _ in found]}
     with held_lock(target.with_name(f".{target.name}.lock"), f"the output {target}"):
-        write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run,
-                    backend=first.backend or "unrecorded")
+        write_atlas(target, model, corpus, config, plan, state, overwrite=overwrite, phases=phases, run=run)
     return open_atlas(target)

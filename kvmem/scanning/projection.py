@@ -5,21 +5,20 @@ For GPT-2 small the values' score matrix would be 36,864 × 50,257 floats (7.4 G
 most ``block`` rows × vocab are alive at once. Vectors and bases are projected in float32
 whatever dtype the model runs in, by :func:`~kvmem.scanning.projection_screen.project_rows`: the
 top and bottom n exactly (scores: float64 sums of the float32 products rounded to float32; ties by
-token id), screened by a bfloat16 GEMM with a proven error bound on a CPU with bfloat16 units
-(else a float32 screen), with the candidates the bound cannot exclude rescored exactly (the scores,
-the tie rule and the bound with its proof: :mod:`kvmem.scanning.projection_rules`; the methods and
-``KVMEM_PROJECTION``, which picks one: :mod:`kvmem.scanning.projection_screen`). Each basis is
-prepared once per table (its bfloat16 copy and column norms), not once per layer.
+token id), screened by a float32 GEMM with a proven error bound, the candidates the bound cannot
+exclude rescored exactly (the scores, the tie rule and the bound with its proof:
+:mod:`kvmem.scanning.projection_rules`). Each basis is prepared once per table (its column norms), not
+once per layer. A neuron's rows alone (:class:`NeuronProjector`, what ``Atlas.values`` computes on demand)
+are the whole table's rows of that neuron, to the bit.
 
 The tables are written once under ``$KVMEM_CACHE/projections/`` and linked into every later atlas,
 keyed by what is projected (:func:`projection_digest`: a sample of the float32 vectors of every
 (layer, convention / key vector) and of both bases), the vocabulary, the layers, conventions, top_n, the
-weights fingerprint, the device type and whether the scores are exact (every exact method gives
-the same numbers to the bit, so they share an entry; ``fp32-topk`` has its own); not by the scan's
-dtype, so a model whose weights are the same in bfloat16 and float32 shares one cache entry, and a
-change in what a value means (a convention, a norm folded in) changes the key by itself. Beside
-the tables, ``projection.json`` records the method that computed them (the atlas manifest's
-``projection.method``), its mean candidates per row and its rows rescored in full.
+weights fingerprint and the device type; not by the scan's dtype, so a model whose weights are the same
+in bfloat16 and float32 shares one cache entry, and a change in what a value means (a convention, a norm
+folded in) changes the key by itself. Beside the tables, ``projection.json`` records the method that
+computed them (the atlas manifest's ``projection.method``), its mean candidates per row and its rows
+rescored in full.
 """
 
 from __future__ import annotations
@@ -42,17 +41,10 @@ from kvmem.builtin import cache_dir
 from kvmem.conventions import value_vectors
 from kvmem.models import Model
 from kvmem.scanning.parquet import write_parquet
-from kvmem.scanning.projection_screen import (
-    Projection,
-    ProjectionStats,
-    prepare_basis,
-    project_rows,
-    score_rule,
-    select_method,
-)
+from kvmem.scanning.projection_screen import METHOD, Basis, Projection, ProjectionStats, prepare_basis, project_rows
 
-__all__ = ["Projection", "ProjectionStats", "ProjectionTables", "project_rows", "key_vectors", "projected_vectors",
-           "projection_digest", "projection_tables", "cached_projection_files"]
+__all__ = ["Projection", "ProjectionStats", "ProjectionTables", "NeuronProjector", "project_rows", "key_vectors",
+           "projected_vectors", "projection_digest", "projection_tables", "cached_projection_files"]
 
 _CACHE_VERSION = 4  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id;
 # 4: the content digest samples the vectors before the conventions are applied (same tables as 3)
@@ -60,12 +52,12 @@ _RECORD = "projection.json"  # beside the cached tables: the method that compute
 _DIGEST_STRIDE = 16  # rows (of vectors) / columns (of bases) read into the content digest: 1 in 16
 
 
-def key_vectors(model: Model, layer: int) -> dict[str, Tensor]:
-    """{'key': W1 / W_up rows, 'gate': W_gate rows (gated only)}, each [d_ff, d_model]."""
-    vectors = {"key": model.keys(layer)}
+def key_vectors(model: Model, layer: int, rows=slice(None)) -> dict[str, Tensor]:
+    """{'key': W1 / W_up rows, 'gate': W_gate rows (gated only)}, each [d_ff, d_model] (``rows``: only those)."""
+    vectors = {"key": model.keys(layer)[rows]}
     gate = model.gate_keys(layer)
     if gate is not None:
-        vectors["gate"] = gate
+        vectors["gate"] = gate[rows]
     return vectors
 
 
@@ -79,15 +71,18 @@ class Projected:
     keys: list[tuple[int, str, Tensor]]
     unembedding: Tensor
     embedding: Tensor
+    neurons: Tensor | None = None  # the neurons the vectors are of (None: every neuron, in order)
 
 
-def projected_vectors(model: Model, layers: list[int], config) -> Projected:
-    """The vectors and bases of an atlas's ``values`` and ``keys`` tables, in float32."""
-    values = [(layer, convention, value_vectors(model, layer, convention).float())
+def projected_vectors(model: Model, layers: list[int], config, neurons: Tensor | None = None) -> Projected:
+    """The vectors and bases of an atlas's ``values`` and ``keys`` tables, in float32 (``neurons``: only
+    those rows, ascending)."""
+    rows = slice(None) if neurons is None else neurons
+    values = [(layer, convention, value_vectors(model, layer, convention, rows).float())
               for layer in layers for convention in config.conventions]
-    keys = [(layer, vector, rows.float()) for layer in layers
-            for vector, rows in (key_vectors(model, layer).items() if config.key_projections else ())]
-    return Projected(values, keys, model.unembedding().float(), model.embedding().T.float())
+    keys = [(layer, vector, vectors.float()) for layer in layers
+            for vector, vectors in (key_vectors(model, layer, rows).items() if config.key_projections else ())]
+    return Projected(values, keys, model.unembedding().float(), model.embedding().T.float(), neurons)
 
 
 def projection_digest(model: Model, layers: list[int], config) -> str:
@@ -134,19 +129,15 @@ class ProjectionTables:
 
 
 def projection_tables(model: Model, layers: list[int], config, *, bar=None, projected: Projected | None = None,
-                      method: str | None = None) -> ProjectionTables:
-    """The ``values`` and ``keys`` tables, computed now; ``method``: see
-    :func:`kvmem.scanning.projection_screen.select_method` (None: the environment's or the machine's)."""
+                      bases: tuple[Basis, Basis | None] | None = None, vocab: pa.Array | None = None
+                      ) -> ProjectionTables:
+    """The ``values`` and ``keys`` tables (of ``projected``'s neurons; default every neuron), computed now;
+    ``bases``, ``vocab``: prepared once for many calls (:func:`prepare_bases`, the vocabulary's strings)."""
     started = time.perf_counter()
     n = min(config.top_n, model.vocab_size)
     projected = projected or projected_vectors(model, layers, config)
-    method = select_method(projected.unembedding.device, method)
-    unembedding = prepare_basis(projected.unembedding, method=method)  # once for every layer and convention
-    embedding = None
-    if projected.keys:  # tied weights: the same tensor, prepared once
-        same = _same_tensor(projected.embedding, projected.unembedding)
-        embedding = unembedding if same else prepare_basis(projected.embedding, method=method)
-    value_parts, key_parts, stats = [], [], ProjectionStats(method)
+    unembedding, embedding = bases or prepare_bases(projected)
+    value_parts, key_parts, stats = [], [], ProjectionStats(METHOD)
     for layer in layers:
         for parts, basis, label_vectors in ((value_parts, unembedding, projected.values),
                                             (key_parts, embedding, projected.keys)):
@@ -154,12 +145,43 @@ def projection_tables(model: Model, layers: list[int], config, *, bar=None, proj
                 if at == layer:
                     projection = project_rows(vectors, basis, n)
                     stats += projection.stats
-                    parts.append(_rows(layer, projection, label))
+                    parts.append(_rows(layer, projection, label, projected.neurons))
         if bar is not None:
             bar.update()
-    vocab = pa.array(model.vocab_strings, pa.string())
+    vocab = vocab if vocab is not None else pa.array(model.vocab_strings, pa.string())
     return ProjectionTables(_table(value_parts, "convention", vocab), _table(key_parts, "vector", vocab), stats,
                             time.perf_counter() - started)
+
+
+def prepare_bases(projected: Projected) -> tuple[Basis, Basis | None]:
+    """The unembedding's and (with key projections) the embedding's prepared bases, each once (tied weights:
+    the same tensor, prepared once)."""
+    unembedding = prepare_basis(projected.unembedding)  # once for every layer and convention
+    if not projected.keys:
+        return unembedding, None
+    same = _same_tensor(projected.embedding, projected.unembedding)
+    return unembedding, unembedding if same else prepare_basis(projected.embedding)
+
+
+class NeuronProjector:
+    """A neuron's rows of the ``values`` and ``keys`` tables on demand, equal to the whole tables' rows of that
+    neuron (ids, ranks, tie order, scores): each row's projection depends on that row alone. The bases and the
+    vocabulary's strings are prepared once, on the first call."""
+
+    def __init__(self, model: Model, config):
+        self.model, self.config = model, config
+        self._prepared: tuple | None = None
+
+    def tables(self, layer: int, neurons) -> ProjectionTables:
+        """The rows of ``neurons`` (ints, any order) of ``layer``, sorted as the whole tables sort them."""
+        import torch
+
+        rows = torch.tensor(sorted(set(int(n) for n in neurons)), dtype=torch.int64)
+        projected = projected_vectors(self.model, [layer], self.config, rows)
+        if self._prepared is None:
+            self._prepared = (prepare_bases(projected), pa.array(self.model.vocab_strings, pa.string()))
+        bases, vocab = self._prepared
+        return projection_tables(self.model, [layer], self.config, projected=projected, bases=bases, vocab=vocab)
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -167,10 +189,11 @@ def _same_tensor(a: Tensor, b: Tensor) -> bool:
             and a.data_ptr() == b.data_ptr())
 
 
-def _rows(layer: int, projection: Projection, label: str) -> dict:
+def _rows(layer: int, projection: Projection, label: str, neurons: Tensor | None) -> dict:
     ids = np.stack([projection.top_ids.numpy(), projection.bottom_ids.numpy()], axis=1)  # [F, 2, n]
     scores = np.stack([projection.top_scores.numpy(), projection.bottom_scores.numpy()], axis=1)
-    return {"layer": layer, "label": label, "ids": ids, "scores": scores}
+    neuron = np.arange(len(ids), dtype=np.int32) if neurons is None else neurons.numpy().astype(np.int32)
+    return {"layer": layer, "label": label, "ids": ids, "scores": scores, "neurons": neuron}
 
 
 def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
@@ -193,7 +216,7 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
         kind_index = np.broadcast_to(np.arange(2)[None, None, :, None], shape).reshape(-1)
         pieces = {
             "layer": np.full(ids.size, layer, np.int16),
-            "neuron": np.broadcast_to(np.arange(d_ff, dtype=np.int32)[:, None, None, None], shape).reshape(-1),
+            "neuron": np.broadcast_to(group[0]["neurons"][:, None, None, None], shape).reshape(-1),
             label_name: pc.take(pa.array([g["label"] for g in group], pa.string()), pa.array(label_index)),
             "kind": pc.take(pa.array(["promote", "suppress"], pa.string()), pa.array(kind_index)),
             "rank": np.broadcast_to(np.arange(n, dtype=np.int16)[None, None, None, :], shape).reshape(-1),
@@ -208,10 +231,8 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
     return pa.table([merged[name] for name in schema.names], schema=schema)
 
 
-def _cache_key(model: Model, layers: list[int], config, scores: str) -> str | None:
-    """None when the weights have no reliable fingerprint (then nothing is cached). ``scores``: see
-    :func:`~kvmem.scanning.projection_screen.score_rule`; the exact methods give the same numbers to the
-    bit, so they share one entry, and fp32-topk has its own."""
+def _cache_key(model: Model, layers: list[int], config) -> str | None:
+    """None when the weights have no reliable fingerprint (then nothing is cached)."""
     if not model.fingerprint or model.fingerprint.endswith(("unknown", "None")):
         return None
     from kvmem.schema import arrow_schema
@@ -222,7 +243,7 @@ def _cache_key(model: Model, layers: list[int], config, scores: str) -> str | No
     key = {"cache": _CACHE_VERSION, "tables": tables, "fingerprint": model.fingerprint, "vocab": vocab,
            "content": projection_digest(model, layers, config), "device": str(model.device).split(":")[0], "layers": list(layers),
            "conventions": list(config.conventions), "top_n": config.top_n, "keys": config.key_projections,
-           "scores": scores}
+           "scores": "exact"}  # as every exact method wrote it (their numbers are the same to the bit)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -231,7 +252,7 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
     into an atlas, read from the per-model cache or computed (and cached) now; ``method``: the
     projection method that computed them (recorded beside the cached tables). Processes that need the
     same entry at once compute it once: the others wait on its lock, then read it."""
-    key = _cache_key(model, layers, config, score_rule())
+    key = _cache_key(model, layers, config)
     if key is None:
         return _computed(model, layers, config, bar=bar)
     directory = cache_dir() / "projections" / key
@@ -244,14 +265,13 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
             return _computed(model, layers, config, bar=bar)
         if (found := _cached(directory, len(layers), bar)) is not None:  # computed while we waited
             return found
-        method = select_method(model.device)  # loads the kernels: only when computing
-        tables = projection_tables(model, layers, config, bar=bar, method=method)
+        tables = projection_tables(model, layers, config, bar=bar)
         try:
             with staged_directory(directory) as tmp:
                 _write(tmp, tables)
         except OSError:  # the cache cannot be written: the files go to a temporary directory
             return _computed(model, layers, config, tables=tables)
-        return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": method}
+        return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": METHOD}
 
 
 _TABLES = ("values", "keys")
@@ -273,7 +293,7 @@ def _cached(directory: Path, layers: int, bar) -> dict | None:
 def _computed(model: Model, layers: list[int], config, *, bar=None, tables=None) -> dict:
     """Projection files written to a fresh temporary directory (no cache); ``tables`` if already computed."""
     if tables is None:
-        tables = projection_tables(model, layers, config, bar=bar, method=select_method(model.device))
+        tables = projection_tables(model, layers, config, bar=bar)
     directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
     _write(directory, tables)
     return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False,

@@ -10,25 +10,20 @@ instead depends on its blocking.
 **Order (the tie rule).** Top n: score descending, then token id ascending; bottom n: score
 ascending, then token id ascending. (``torch.topk`` had no rule for ties.)
 
-**The bound.** For a float32 row a, column b (= b_t) and the screen S = fl(a-hat . b-hat), where
-a-hat = bf16(a), b-hat = bf16(b), da = a - a-hat, db = b - b-hat (measured, in float32), u = 2^-9
-(bfloat16's unit roundoff), g = 2 * gamma_d = 2 d 2^-24 / (1 - d 2^-24) (float32 accumulation
-in any order, doubled: hardware bf16 dot instructions pair products and flush denormals), and r the
-exact score above::
+**The bound.** For a float32 row a, column b (= b_t), the float32 screen S = fl(a . b) and r the exact
+score above, with u = 2^-24 (float32's unit roundoff) and g = 2 * gamma_d = 2 d 2^-24 / (1 - d 2^-24)
+(float32 accumulation in any order, doubled)::
 
-    |S - r| <= |S - acc|                 <= u/(1-u) |S|                       (bf16 output rounding)
-             + |acc - a-hat . b-hat|     <= g ||a-hat|| ||b-hat||             (float32 accumulation)
-             + |a-hat . b-hat - a . b|   <= ||a|| ||db|| + ||da|| ||b|| + ||da|| ||db||  (input rounding)
-             + |a . b - r|               <= 2^-23 ||a|| ||b||                 (float64 sum, float32 result)
-             + tau = d 2^-120 (1 + ||a||)(1 + max_t ||b_t||)                  (flushed subnormals)
+    |S - r| <= |S - acc|            <= u/(1-u) |S|                       (float32 output rounding)
+             + |acc - a . b|        <= g ||a|| ||b||                     (float32 accumulation)
+             + |a . b - r|          <= 2^-23 ||a|| ||b||                 (float64 sum, float32 result)
+             + tau = d 2^-120 (1 + ||a||)(1 + max_t ||b_t||)             (flushed subnormals)
 
-with ||a-hat|| <= ||a|| + ||da||, ||b-hat|| <= ||b|| + ||db||. So eps = x_r ||b_t|| + y_r ||db_t|| +
-beta |S| + tau_r (x_r = ||da|| + g (||a|| + ||da||) + 2^-23 ||a||, y_r = (||a|| + ||da||)(1 + g),
-beta = u/(1-u)), every coefficient multiplied by 17/16 (generous: it also covers the float32
-evaluation of eps in the kernel) and the norms rounded up. The float32 screen has da = db = 0 and
-u = 2^-24, plus (2v + v^2) ||a|| ||b|| with v = 2^-8 where the float32 GEMM may round its inputs
-(TF32, or ``torch.set_float32_matmul_precision`` below "highest"). A row whose screen could come
-near float32's range (||a|| max_t ||b_t|| >= 2^120) is rescored in full instead.
+So eps = x_r ||b_t|| + beta |S| + tau_r (x_r = (g + 2^-23) ||a||, beta = u/(1-u)), every coefficient
+multiplied by 17/16 and the norms rounded up; plus (2v + v^2) ||a|| ||b|| with v = 2^-8 where the
+float32 GEMM may round its inputs (TF32, or ``torch.set_float32_matmul_precision`` below "highest").
+A row whose screen could come near float32's range (||a|| max_t ||b_t|| >= 2^120) is rescored in full
+instead.
 
 **Selection with proof.** S - eps <= r <= S + eps for every token. L = the n-th largest S - eps is
 at most the n-th largest r, so every token of the exact top n (ties at the n-th place included)
@@ -39,7 +34,7 @@ for the bottom. The candidates are rescored exactly and ordered by the rule abov
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,17 +42,12 @@ from torch import Tensor
 
 from kvmem.errors import KvmemError
 
-__all__ = ["Projection", "ProjectionStats", "Basis", "METHODS", "EXACT_METHODS", "CPU_METHODS", "prepare_basis",
-           "screen_bound", "keeps_fp32_inputs", "check_finite"]
+__all__ = ["Projection", "ProjectionStats", "Basis", "METHOD", "prepare_basis", "screen_bound", "keeps_fp32_inputs",
+           "check_finite"]
 
-METHODS = {
-    "bf16-screen": "bfloat16 GEMM screen, exact rescoring of the candidates (numba, CPU)",
-    "fp32-screen": "float32 GEMM screen, exact rescoring of the candidates (numba, CPU)",
-    "torch-screen": "float32 GEMM screen, exact rescoring of the candidates (torch, any device)",
-    "fp32-topk": "float32 GEMM and torch.topk (scores rounded as the GEMM rounds them)",
-}
-EXACT_METHODS = frozenset({"bf16-screen", "fp32-screen", "torch-screen"})  # the same numbers to the bit
-CPU_METHODS = frozenset({"bf16-screen", "fp32-screen"})  # the numba kernels'
+# the one projection method (its name goes into the manifest and beside cached tables): a float32 GEMM screen,
+# exact rescoring of the candidates in torch, on any device
+METHOD = "torch-screen"
 
 _SAFETY = 17 / 16
 _UP = 1 + 2.0**-20  # a float64 norm rounded to float32 stays an upper bound
@@ -102,81 +92,46 @@ class Projection:
 
 @dataclass(frozen=True, eq=False)
 class Basis:
-    """A basis prepared once for many :func:`project_rows` calls (:func:`prepare_basis`).
+    """A basis prepared once for many :func:`~kvmem.scanning.projection_screen.project_rows` calls
+    (:func:`prepare_basis`).
 
     matrix: [d_model, vocab] float32 (the float32 GEMMs); columns: [vocab, d_model] float32, contiguous
-    (the exact rescoring); norms: [vocab] float32, upper bounds of the columns' 2-norms; low: [vocab,
-    d_model] bfloat16 and error_norms: [vocab] float32 upper bounds of ||b_t - bf16(b_t)|| (bf16-screen
-    only); method: the method it is prepared for (its tensors live where that method computes); workspace:
-    the numba screens' buffer (:meth:`screen_buffer`)."""
+    (the exact rescoring); norms: [vocab] float32, upper bounds of the columns' 2-norms."""
 
-    method: str
     matrix: Tensor
     columns: Tensor
     norms: Tensor
     max_norm: float
-    low: Tensor | None = None
-    error_norms: Tensor | None = None
-    max_error_norm: float = 0.0
-    workspace: dict = field(default_factory=dict, repr=False)  # the screen's buffer, reused by every call
-
-    def screen_buffer(self, rows: int, dtype: torch.dtype) -> Tensor:
-        """A [rows, vocab] buffer for the screen, made once and reused (a fresh 25 MB block on every call
-        costs its page faults again; one Basis is for one thread at a time)."""
-        buffer = self.workspace.get("screen")
-        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
-            buffer = self.workspace["screen"] = torch.empty(rows, self.vocab, dtype=dtype)
-        return buffer[:rows]
 
     @property
     def vocab(self) -> int:
         return self.matrix.shape[1]
 
 
-def prepare_basis(basis: Tensor, *, method: str) -> Basis:
-    """``basis`` [d_model, vocab] (any dtype, any device) prepared for ``method``."""
-    if method not in METHODS:
-        raise KvmemError(f"unknown projection method {method!r}; choose one of {', '.join(METHODS)}")
+def prepare_basis(basis: Tensor) -> Basis:
+    """``basis`` [d_model, vocab] (any dtype, any device) prepared for many projections."""
     matrix = basis.detach().float()
-    if method in CPU_METHODS:
-        matrix = matrix.cpu()
     columns = matrix.T.contiguous()  # [vocab, d]: free for a transposed weight
     norms, max_norm = _norms(columns)
     if not math.isfinite(max_norm):  # a NaN or inf anywhere makes its column's norm one
         check_finite(columns, "basis")
-    if method != "bf16-screen":
-        return Basis(method, matrix, columns, norms, max_norm)
-    low = columns.bfloat16()  # [vocab, d]
-    step = 4096  # columns at a time: their rounding errors are never all alive at once
-    errors = torch.cat([torch.linalg.vector_norm(columns[i:i + step] - low[i:i + step].float(), dim=1,
-                                                 dtype=torch.float64) for i in range(0, columns.shape[0], step)])
-    error_norms = _up(errors)
-    max_error = float(error_norms.max()) if error_norms.numel() else 0.0
-    return Basis(method, matrix, columns, norms, max_norm, low, error_norms, max_error)
+    return Basis(matrix, columns, norms, max_norm)
 
 
-def screen_bound(vectors: Tensor, basis: Basis, *, low: Tensor | None = None, precise: bool = True
-                 ) -> tuple[Tensor, Tensor, float, Tensor]:
-    """(x, y, beta, tau) of the bound eps[r, t] = x[r] ||b_t|| + y[r] ||db_t|| + beta |S[r, t]| + tau[r]
-    (module docstring), x, y, tau float32 [rows], rounded up; tau is -1 for a row whose screen could
-    overflow (rescored in full). ``low``: the bfloat16 vectors of a bf16 screen (else a float32
-    screen, with rounded inputs unless ``precise``)."""
+def screen_bound(vectors: Tensor, basis: Basis, *, precise: bool = True) -> tuple[Tensor, Tensor, float, Tensor]:
+    """(x, y, beta, tau) of the bound eps[r, t] = x[r] ||b_t|| + beta |S[r, t]| + tau[r] (module docstring;
+    y = 0, the term of a screen with rounded bases), x, tau float32 [rows], rounded up; tau is -1 for a row
+    whose screen could overflow (rescored in full). ``precise``: the float32 GEMM multiplies its inputs
+    unrounded."""
     d = vectors.shape[1]
     length = _row_norms(vectors)  # [rows] float64
     g = 2 * d * 2.0**-24 / (1 - d * 2.0**-24)
-    if low is not None:
-        error = _row_norms(vectors - low.float())  # exact in float32: the bits bfloat16 dropped
-        unit = 2.0**-9
-        x = error + g * (length + error) + 2.0**-23 * length
-        y = (length + error) * (1 + g)
-    else:
-        error = torch.zeros_like(length)
-        unit = 2.0**-24
-        rounding = 0.0 if precise else 2 * 2.0**-8 + 2.0**-16
-        x = (g + 2.0**-23 + rounding) * length
-        y = torch.zeros_like(length)
-    reach = (length + error) * (basis.max_norm + basis.max_error_norm)
-    tau = d * 2.0**-120 * (1 + length + error) * (1 + basis.max_norm + basis.max_error_norm)
+    unit = 2.0**-24
+    rounding = 0.0 if precise else 2 * 2.0**-8 + 2.0**-16
+    x = (g + 2.0**-23 + rounding) * length
+    y = torch.zeros_like(length)
+    reach = length * basis.max_norm
+    tau = d * 2.0**-120 * (1 + length) * (1 + basis.max_norm)
     tau = torch.where(reach < 2.0**120, tau, torch.full_like(tau, -1 / _SAFETY))
     beta = _SAFETY * unit / (1 - unit)
     return *(_up(_SAFETY * t) for t in (x, y)), beta * _UP, _up(_SAFETY * tau)

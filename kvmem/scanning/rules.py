@@ -4,25 +4,23 @@ size of the candidate search, the tie rule, and the sampling key of a position.
 - **Codes.** A position is the int64 code ``doc << 32 | pos`` (:func:`kvmem.plan.pack`);
   ``EMPTY`` (-1) marks an entry that holds none.
 - **Blocks.** The candidate search reads the extremes of blocks of ``BLOCK_ROWS`` rows of a
-  batch; both backends compute them over the same blocks.
+  batch.
 - **The tie rule.** Kept triggers are ordered most extreme coefficient first, and among equal
   coefficients lowest code first (the earliest (doc, pos)); empty entries last
   (:func:`order_by_value`). Samples are ordered by key, then code (:func:`order_by_key`).
 - **Sampling keys.** A position's key is splitmix64 of its code and the seed, cut to
-  ``KEY_BITS`` bits: :func:`position_keys` on tensors, :func:`key_of` on one code (the scalar
-  spelling the compiled kernels use; a test checks that both agree). ``NO_KEY`` is the key of an
-  empty entry and sorts after every real one.
+  ``KEY_BITS`` bits: :func:`position_keys`. ``NO_KEY`` is the key of an empty entry and sorts after
+  every real one.
 
 The histogram bin is the remaining rule; it lives in :mod:`kvmem.scanning.histogram`.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["EMPTY", "BLOCK_ROWS", "KEY_BITS", "NO_KEY", "position_keys", "keys_or_none", "key_of", "key_salt",
+__all__ = ["EMPTY", "BLOCK_ROWS", "KEY_BITS", "NO_KEY", "position_keys", "keys_or_none", "key_salt",
            "order_by_value", "order_by_key"]
 
 EMPTY = -1
@@ -55,23 +53,6 @@ def position_keys(codes: Tensor, seed: int) -> Tensor:
     x = (x ^ _shift(x, 27)) * _signed(_MIX2)
     x = x ^ _shift(x, 31)
     return _shift(x, 64 - KEY_BITS)
-
-
-_GOLDEN_U, _MIX1_U, _MIX2_U = np.uint64(_GOLDEN), np.uint64(_MIX1), np.uint64(_MIX2)
-_S30, _S27, _S31, _DROP = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(64 - KEY_BITS)
-_NO_KEY_I = np.int64(NO_KEY)
-
-
-def key_of(code, salt):
-    """:func:`position_keys` of one int64 code, ``salt`` = np.uint64(key_salt(seed)); NO_KEY when
-    the code is EMPTY. Plain Python on numpy scalars, so numba compiles it unchanged."""
-    if code < 0:
-        return _NO_KEY_I
-    x = (np.uint64(code) ^ salt) + _GOLDEN_U
-    x = (x ^ (x >> _S30)) * _MIX1_U
-    x = (x ^ (x >> _S27)) * _MIX2_U
-    x = x ^ (x >> _S31)
-    return np.int64(x >> _DROP)
 
 
 def keys_or_none(codes: Tensor, seed: int) -> Tensor:

@@ -4,10 +4,10 @@ The pass reads and tokenizes the corpus once. Everything the atlas needs from th
 (trigger contexts, each trigger's neuron on its context tokens) is captured while the batch
 is in memory; value and key projections depend on the weights alone and are cached per model.
 
-Each batch goes into the state through :mod:`kvmem.scanning.step`, with the backend chosen once
-for the scan (:func:`kvmem.scanning.backends.select_backend`). Under ``torchrun`` each rank scans
+Each batch goes into the state through :mod:`kvmem.scanning.step`: one update per statistic the
+config asks for (:func:`kvmem.scanning.statistics.compose`). Under ``torchrun`` each rank scans
 its share of the blocks (:mod:`kvmem.plan`); rank 0 merges the states with
-:func:`kvmem.scanning.state.merge_states` and writes the atlas.
+:meth:`kvmem.scanning.statistics.ScanState.merge` and writes the atlas.
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from kvmem.errors import KvmemError
 from kvmem.models import Model
 from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, WindowText, iterate_batches
 from kvmem.scanning import distributed
-from kvmem.scanning.backends import Backend, select_backend
 from kvmem.scanning.capture import capture_coefficients, has_gate_up
 from kvmem.scanning.checkpoint import load_state, save_state, saved_plan
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.prefetch import prefetched_batches
 from kvmem.scanning.progress import Phases
-from kvmem.scanning.state import ScanState, new_layer_state
-from kvmem.scanning.step import BatchRows, BatchStep, close_open_document
+from kvmem.scanning.statistics import ScanState, compose
+from kvmem.scanning.step import BatchRows, BatchStep
 from kvmem.scanning.writer import write_atlas
 
 __all__ = ["scan", "stream", "resolve_batch_size", "agreed_batch_size", "batch_for", "probe_peak", "resolve_window",
@@ -153,7 +152,7 @@ def probe_peak(model: Model, config: ScanConfig, window: int, new_state, measure
             texts.append(WindowText(doc, "probe", start, tuple(tokens[w]), -1, ""))
         state = new_state()
         with measure() as peak:
-            _run_batch(model, Batch(0, texts, windows * window), plan, config, state, select_backend(model.device))
+            _run_batch(model, Batch(0, texts, windows * window), plan, config, state)
         del state
         worst = max(worst, peak.bytes)
     return worst
@@ -188,21 +187,20 @@ def _check_layers(model: Model, config: ScanConfig) -> list[int]:
     return layers
 
 
-def _fresh_state(model: Model, config: ScanConfig, layers: list[int]) -> ScanState:
-    import torch
+def statistics_of(model: Model, config: ScanConfig):
+    """The statistics a scan of ``model`` under ``config`` keeps (:func:`kvmem.scanning.statistics.compose`)."""
+    return compose(config, gated=has_gate_up(model))
 
+
+def _fresh_state(model: Model, config: ScanConfig, layers: list[int]) -> ScanState:
+    statistics = statistics_of(model, config)
     width = config.context_width if config.context_activations else 0
-    sums = config.taxonomy_sums  # the taxonomy's streaming sums (docs/taxonomy.md)
-    return ScanState(layers, {layer: new_layer_state(
-        model.d_ff, config.top_k, per_document=config.per_document, context_width=width, device=model.device,
-        random_samples=config.random_samples, bin_samples=config.bin_samples, sample_rate=config.sample_rate,
-        seed=config.seed, position_sums=sums, quadrants=sums and has_gate_up(model)) for layer in layers},
-        unigrams=torch.zeros(model.vocab_size, dtype=torch.int64) if sums else None)
+    return statistics.new_state(layers, statistics.spec(model.d_ff, model.vocab_size, model.device, width))
 
 
 def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, overwrite: bool = False,
          resume: bool = False, progress: bool = True, unit: str = "document", text_field: str = "text",
-         backend: str | None = None, **settings: Any):
+         **settings: Any):
     """Scan a corpus into a memory atlas and return it opened (:class:`kvmem.atlas.Atlas`).
 
     ``corpus``: anything :func:`kvmem.corpus.open_corpus` accepts. ``settings``: the fields of
@@ -211,8 +209,6 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     unless ``overwrite``; ``resume`` continues from ``out``'s checkpoint (``checkpoint_every``).
     While a scan runs it holds a lock on ``out`` (the file ``.NAME.lock`` beside it), and a second
     scan into the same ``out`` is refused in one line.
-    ``backend``: the streaming backend (``torch`` or ``numba``; None: ``KVMEM_KERNELS``, else
-    numba on a CPU, see :func:`kvmem.scanning.backends.select_backend`), recorded in the manifest.
     Under ``torchrun`` every rank calls this; rank 0 writes the atlas and returns it, the
     others return None.
     """
@@ -230,19 +226,17 @@ def scan(model: Model, corpus: Any, *, out: str | os.PathLike | None = None, ove
     # garbage collections until the scan ends
     with held_lock(lock, f"the output {target}"):
         return _scan_into(target, model, corpus, config, layers, plan, phases, rank=rank, world=world,
-                          overwrite=overwrite, resume=resume, backend=backend)
+                          overwrite=overwrite, resume=resume)
 
 
 def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, layers: list[int], plan: TokenPlan,
-               phases: Phases, *, rank: int, world: int, overwrite: bool, resume: bool, backend: str | None):
+               phases: Phases, *, rank: int, world: int, overwrite: bool, resume: bool):
     checkpoint = _checkpoint_path(target, rank, world)
     if target.exists() and not overwrite:
         raise KvmemError(f"output directory {target} already exists; pass overwrite=True (--overwrite) or another --out")
-    with phases.phase("kernels"):  # numba compiles its kernels once per install (seconds), then loads them
-        engine = select_backend(model.device, backend)
-    header = _header(model, corpus, config, plan, world, engine)
+    header = _header(model, corpus, config, plan, world)
     if resume:
-        state = load_state(checkpoint, header, device=model.device)
+        state = load_state(checkpoint, header, statistics_of(model, config), device=model.device)
     else:
         state = _fresh_state(model, config, layers)
 
@@ -251,7 +245,7 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
     try:
         with phases.phase("stream", unit="tok", total=_stream_total(config, world)) as bar:
             bar.update(state.tokens)
-            _stream(model, corpus, plan, config, state, engine, rank=rank, world=world, bar=bar,
+            _stream(model, corpus, plan, config, state, rank=rank, world=world, bar=bar,
                     checkpoint=(checkpoint, header) if config.checkpoint_every else None)
     except KeyboardInterrupt as interrupt:
         if config.checkpoint_every:
@@ -259,8 +253,7 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
                                f"with --resume" if checkpoint.exists() else
                                f"no checkpoint was saved yet ({checkpoint_rule(config, plan)}); --resume cannot continue")
         raise
-    for layer_state in state.layer_states.values():
-        close_open_document(engine, layer_state)
+    state.close()
     if world > 1:
         with phases.phase("gather"):
             state = distributed.gather_states(state, header, rank=rank, world=world, device=model.device)
@@ -271,7 +264,7 @@ def _scan_into(target: Path, model: Model, corpus: Corpus, config: ScanConfig, l
         raise KvmemError(f"corpus {corpus.spec!r} gave no tokens to scan (empty, or every document empty"
                          f"{' in this shard' if config.shard[1] > 1 else ''}); check the corpus")
     write_atlas(target, model, corpus.describe(), config, plan, state, overwrite=overwrite, phases=phases,
-                world=world, keep_state=config.shard[1] > 1, backend=engine.name)
+                world=world, keep_state=config.shard[1] > 1)
     if checkpoint.exists():
         shutil.rmtree(checkpoint, ignore_errors=True)
     if world > 1:
@@ -301,7 +294,7 @@ def _checkpoint_path(target: Path, rank: int, world: int) -> Path:
 
 
 def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "document", text_field: str = "text",
-           backend: str | None = None, **settings: Any) -> ScanState:
+           **settings: Any) -> ScanState:
     """The streaming pass alone (no tables, no files): the per-layer state of a scan.
 
     Same settings as :func:`scan`; used by benchmarks and by code that wants the raw tensors.
@@ -309,10 +302,9 @@ def stream(model: Model, corpus: Any, *, progress: bool = False, unit: str = "do
     config = ScanConfig(**settings)
     corpus = open_corpus(corpus, unit=unit, text_field=text_field)
     state = _fresh_state(model, config, _check_layers(model, config))
-    engine = select_backend(model.device, backend)
     phases = Phases(progress)
     with phases.phase("stream", unit="tok", total=config.max_tokens) as bar:
-        _stream(model, corpus, token_plan(model, config, corpus.unit), config, state, engine, rank=0, world=1,
+        _stream(model, corpus, token_plan(model, config, corpus.unit), config, state, rank=0, world=1,
                 bar=bar, checkpoint=None)
     return state
 
@@ -323,14 +315,14 @@ def _stream_total(config: ScanConfig, world: int) -> int | None:
     return config.max_tokens // (config.shard[1] * world) if config.shard[1] * world > 1 else config.max_tokens
 
 
-def _header(model: Model, corpus: Corpus, config: ScanConfig, plan: TokenPlan, world: int, backend: Backend) -> dict:
+def _header(model: Model, corpus: Corpus, config: ScanConfig, plan: TokenPlan, world: int) -> dict:
     """What a checkpoint (or a rank's state) must agree on to be continued or merged."""
     return {"config": config.resume_key(), "model": model.fingerprint, "corpus": corpus.describe(),
             "plan": plan.to_dict(), "world": world, "device": str(model.device),
-            "dtype": str(model.dtype).removeprefix("torch."), "backend": backend.name}
+            "dtype": str(model.dtype).removeprefix("torch.")}
 
 
-def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, state: ScanState, backend: Backend, *,
+def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, state: ScanState, *,
             rank: int, world: int, bar, checkpoint: tuple[Path, dict] | None) -> None:
     started = time.perf_counter() - state.seconds
     last_checkpoint = state.tokens
@@ -354,7 +346,7 @@ def _stream(model: Model, corpus: Corpus, plan: TokenPlan, config: ScanConfig, s
         batches = iterate_batches(corpus, model.tokenizer, plan, state.position, rank=rank, world=world,
                                   on_block_end=lambda block: save_if_due(lambda: state.position))
     for batch in batches:
-        _run_batch(model, batch, plan, config, state, backend)
+        _run_batch(model, batch, plan, config, state)
         bar.update(batch.tokens)
         if state.texts.needs_gc():
             state.texts.keep_only(state.referenced_windows(plan.window))
@@ -377,13 +369,11 @@ def prefetch_enabled(device) -> bool:
     return str(device).startswith("cuda")
 
 
-def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState,
-               backend: Backend) -> None:
+def _run_batch(model: Model, batch: Batch, plan: TokenPlan, config: ScanConfig, state: ScanState) -> None:
     """One forward over a batch of windows, right-padded; only real tokens are scored."""
     rows = BatchRows.build(batch, plan, context_before=config.context_before, context_after=config.context_after,
-                           seed=config.seed, samples=bool(config.random_samples or config.bin_samples),
-                           device=model.device)
-    step = BatchStep(backend, state, rows, with_context=config.context_activations, index=state.batches)
+                           seed=config.seed, samples=state.statistics.needs_keys, device=model.device)
+    step = BatchStep(state, rows, with_context=config.context_activations, index=state.batches)
     gate_up = {"on_gate_up": step.gate_up} if step.wants_gate_up else {}  # the taxonomy's quadrants (gated FFNs)
     capture_coefficients(model, rows.ids, state.layers, step.layer, **gate_up)
     step.finish()

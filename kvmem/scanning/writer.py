@@ -1,5 +1,6 @@
-"""Write a finished scan's atlas atomically: projections from the per-model cache, the tables of
-:mod:`kvmem.scanning.tables` in writer threads as they are built, the manifest last."""
+"""Write a finished scan's atlas atomically: the statistics' tables (:mod:`kvmem.scanning.statistics`) and
+those of :mod:`kvmem.scanning.tables` in writer threads as they are built, the projection tables when the
+scan computes them eagerly (from the per-model cache), the manifest last."""
 
 from __future__ import annotations
 
@@ -26,19 +27,11 @@ from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import LayerParts, write_parquet
 from kvmem.scanning.projection import cached_projection_files
-from kvmem.scanning.state import ScanState
-from kvmem.scanning.tables import (
-    contexts_table,
-    has_samples,
-    histograms_table,
-    neurons_table,
-    sample_part,
-    trigger_part,
-    unigrams_table,
-)
+from kvmem.scanning.statistics import STATISTICS, ScanState
+from kvmem.scanning.tables import contexts_table, neurons_table
 from kvmem.schema import FORMAT_VERSION, conform
 
-__all__ = ["write_atlas", "TableWriter", "TableStream", "build_manifest", "torch_threads", "STATE_DIR"]
+__all__ = ["write_atlas", "TableWriter", "TableStream", "build_manifest", "torch_threads", "link_or_copy", "STATE_DIR"]
 
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
 
@@ -57,44 +50,45 @@ def torch_threads(count: int):
 
 
 def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, *,
-                overwrite: bool, phases, backend: str, world: int = 1, keep_state: bool = False,
-                run: dict | None = None) -> None:
-    """Projections from the per-model cache, tables from a finished (merged) scan state, manifest last.
-    ``backend``: the name of the streaming backend that produced the state.
+                overwrite: bool, phases, world: int = 1, keep_state: bool = False, run: dict | None = None) -> None:
+    """Tables from a finished (merged) scan state, the projection tables (``config.projections == "eager"``:
+    from the per-model cache), manifest last.
 
-    The samples and triggers tables are built layer by layer in their writer threads, each thread building
-    a part and then encoding it, while this thread builds the small tables (phase "texts": every table
-    built and written; "write": the projections linked and the manifest)."""
+    The statistics' layer tables (triggers, samples, histograms, ...) are built layer by layer in their writer
+    threads, each thread building a part and then encoding it, while this thread builds the others (phase
+    "texts": every table built and written; "write": the projections linked and the manifest)."""
     layers = state.layers
-    with TableWriter(target, overwrite=overwrite) as out:
-        # the projections first: computed (a model's first scan, both cores) or found in the cache while no
-        # writer thread runs
-        with phases.phase("projections", total=len(layers)) as bar:
-            projections = cached_projection_files(model, layers, config, bar=bar)
-        with phases.phase("texts", total=6) as bar:
+    statistics = state.statistics
+    with TableWriter(target, overwrite=overwrite, columns=statistics.table_columns()) as out:
+        projections = {"files": {}, "cached": None, "method": None}
+        if config.projections == "eager":  # computed (a model's first scan, both cores) or found in the cache
+            with phases.phase("projections", total=len(layers)) as bar:  # while no writer thread runs
+                projections = cached_projection_files(model, layers, config, bar=bar)
+        tables = list(statistics.layer_tables())
+        with phases.phase("texts", total=len(tables) + 3) as bar:
             # The neurons table first, before any writer thread runs: its torch reductions over the weights
             # keep torch's threads.
-            out.add("neurons", neurons_table(model, layers, state.layer_states))
+            out.add("neurons", neurons_table(model, state))
             bar.update()
             with torch_threads(1):  # gathers and copies only; torch's workers would wait on the writers' cores
-                # the two large tables are built in their writer threads, a layer at a time, each part encoded
-                # by the thread that built it (this thread only hands the builders over)
-                samples = out.stream("samples") if has_samples(state) else None
-                triggers = out.stream("triggers")
-                for layer in layers:
-                    if samples is not None:
-                        samples.put(lambda layer=layer: sample_part(layer, state.layer_states[layer]))
-                    triggers.put(lambda layer=layer: trigger_part(layer, state.layer_states[layer]))
-                for stream in (samples, triggers):
-                    if stream is not None:
-                        stream.close()
-                bar.update(2)
-                for name, build in (("contexts", lambda: contexts_table(model, config, plan, state,
-                                                                        state.kept_positions())),
-                                    ("histograms", lambda: histograms_table(layers, state.layer_states)),
-                                    ("unigrams", lambda: unigrams_table(state))):
-                    out.add(name, build())
+                # the layer tables are built in their writer threads, a layer at a time, each part encoded by the
+                # thread that built it (this thread only hands the builders over)
+                for table, statistic in tables:
+                    stream = out.stream(table)
+                    for layer in layers:
+                        stream.put(lambda table=table, layer=layer, statistic=statistic:
+                                   state.layer_states[layer].part(table, layer, statistic))
+                    stream.close()
                     bar.update()
+                out.add("contexts", contexts_table(model, config, plan, state, state.kept_positions()))
+                bar.update()
+                whole = {name: table for s in statistics.scan for name, table in s.scan_tables(state.scan_states[s.name]).items()}
+                for name, cls in STATISTICS.items():  # tables an atlas holds empty without their statistic
+                    if name not in statistics:
+                        whole.update(cls.absent_tables())
+                for name, table in whole.items():
+                    out.add(name, table)
+                bar.update()
                 out.wait()
 
         def manifest() -> Manifest:
@@ -102,8 +96,7 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
                       "stream_tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
                       "world_size": world, "batches": state.batches, "shard": list(config.shard),
                       "projections_cached": projections["cached"], **(run or {})}
-            return build_manifest(model, corpus, config, plan, state, timing, backend=backend,
-                                  projection_method=projections["method"])
+            return build_manifest(model, corpus, config, plan, state, timing, projection_method=projections["method"])
 
         with phases.phase("write", total=1) as bar:
             for name, source in projections["files"].items():
@@ -132,8 +125,9 @@ class TableWriter:
             out.finish(manifest)
     """
 
-    def __init__(self, target: str | os.PathLike, *, overwrite: bool):
+    def __init__(self, target: str | os.PathLike, *, overwrite: bool, columns: dict | None = None):
         self.target = Path(target)
+        self.columns = columns or {}  # columns of tables kvmem.schema does not define (a statistic's own)
         if self.target.exists() and not overwrite:
             raise FileExistsError(self.target)
         self._futures: list = []
@@ -147,19 +141,20 @@ class TableWriter:
 
     def add(self, name: str, table: pa.Table) -> None:
         """Write ``table`` as ``name.parquet`` (checked against :data:`kvmem.schema.COLUMNS`), in a thread."""
-        self._futures.append(self._pool.submit(write_parquet, self.directory / f"{name}.parquet", conform(table, name)))
+        self._futures.append(self._pool.submit(write_parquet, self.directory / f"{name}.parquet",
+                                               conform(table, name, self.columns.get(name))))
 
     def stream(self, name: str) -> TableStream:
         """A table written part by part in a thread as :meth:`TableStream.put` hands the parts over; the same
         file as ``add`` of the parts joined. Close it (:meth:`TableStream.close`) before ``finish``."""
-        stream = TableStream(name)
+        stream = TableStream(name, self.columns.get(name))
         self._streams.append(stream)
         self._futures.append(self._pool.submit(stream.drain, self.directory / f"{name}.parquet"))
         return stream
 
     def link(self, name: str, source: str | os.PathLike) -> None:
         """Link (or copy) an already written parquet file in as ``name.parquet``."""
-        _link_or_copy(Path(source), self.directory / f"{name}.parquet")
+        link_or_copy(Path(source), self.directory / f"{name}.parquet")
 
     def wait(self) -> None:
         """Wait for every table handed over so far (the first that failed raises here)."""
@@ -187,8 +182,8 @@ class TableWriter:
 class TableStream:
     """The parts of one table on their way to its writer thread (see :meth:`TableWriter.stream`)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, columns: dict | None = None):
+        self.name, self.columns = name, columns
         self._parts: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
 
@@ -212,10 +207,10 @@ class TableStream:
             while (part := self._parts.get()) is not None:
                 part = part() if callable(part) else part
                 if part is not None:
-                    out.write(conform(part, self.name))
+                    out.write(conform(part, self.name, self.columns))
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
     """A hard link to a cached file (no bytes rewritten), else a copy (another file system, no links).
 
     The atlas stays self-contained: deleting it, or the cache, leaves the other's file intact, and
@@ -240,10 +235,10 @@ def _installed_version(distribution: str) -> str:
 
 
 def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPlan, state: ScanState, timing: dict,
-                   *, backend: str, projection_method: str | None = None) -> Manifest:
+                   *, projection_method: str | None = None) -> Manifest:
     """The manifest of an atlas. Everything but ``timing`` is the same whether one process or many scanned.
-    ``projection_method``: the method that computed the projection tables (see
-    :mod:`kvmem.scanning.projection_screen`)."""
+    ``projection_method``: the method that computed the projection tables (None: the atlas holds none,
+    ``scan.projections`` is lazy)."""
     import torch
     import transformers
 
@@ -270,10 +265,12 @@ def build_manifest(model: Model, corpus: dict, config: ScanConfig, plan: TokenPl
                        "default_convention": DEFAULT_CONVENTION if DEFAULT_CONVENTION in config.conventions
                        else config.conventions[0], "top_n": config.top_n,
                     "keys": "score = W_E[token] . k (input embedding, no norm)",
-                    "method": projection_method or "unknown",
+                    "method": projection_method,
+                    "tables": "written" if projection_method else "on demand (kvmem project writes them)",
                     "order": "top: score descending, bottom: score ascending; ties by token id ascending"},
         timing=timing,
-        engine={"backend": backend, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
+        engine={"statistics": state.statistics.names, "device": str(model.device),
+                "dtype": str(model.dtype).removeprefix("torch.")},
         environment={"torch": torch.__version__, "transformers": transformers.__version__,
                      "transformer_lens": _installed_version("transformer-lens"),
                      "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),

@@ -1,0 +1,102 @@
+"""An atlas's value and key projections when it holds no projection tables (a scan with
+``projections="lazy"``, the default): a neuron's rows computed on demand from the scanned model, and the
+whole tables written into the atlas (:func:`project_atlas`, ``kvmem project``).
+
+The rows computed on demand are the rows the tables would hold (token ids, ranks, tie order, scores, to
+the bit: :class:`kvmem.scanning.projection.NeuronProjector`), from the model the manifest names (loaded
+with its fingerprint checked, :func:`kvmem.scanned.load_scanned_model`) or one passed in (checked the
+same way). A query that needs a whole table (``top_neurons(by="value")``, the explorer's search by a
+promoted token, the taxonomy) says in one line how to write it. torch is imported only when a projection
+is computed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvmem.errors import KvmemError
+from kvmem.scanned import check_model, load_scanned_model
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from kvmem.models import Model
+
+__all__ = ["TABLES", "OnDemandProjections", "missing_table_message", "project_atlas"]
+
+TABLES = ("values", "keys")
+
+
+def missing_table_message(path: Path, table: str, why: str = "") -> str:
+    """The one line a reader of a whole projection table says when the atlas holds none."""
+    return (f"atlas {path} holds no {table} table (its projections are computed per neuron on demand){why}; "
+            f"write the tables with: kvmem project --atlas {path}  (or Atlas.project())")
+
+
+class OnDemandProjections:
+    """A neuron's rows of the ``values`` and ``keys`` tables, computed from the model (see the module docstring).
+    ``model``: the scanned model (checked by fingerprint); None: loaded from the manifest on first use."""
+
+    def __init__(self, atlas, model: Model | None = None):
+        self.atlas = atlas
+        self._model: Model | None = None
+        self._projector = None
+        if model is not None:
+            self.use_model(model)
+
+    def use_model(self, model: Model) -> None:
+        """Compute with ``model`` (refused unless it has the scanned weights)."""
+        check_model(self.atlas, model)
+        if model is not self._model:
+            self._model, self._projector = model, None
+
+    @property
+    def model(self) -> Model:
+        if self._model is None:
+            try:
+                self._model = load_scanned_model(self.atlas)
+            except KvmemError as error:
+                raise KvmemError(f"atlas {self.atlas.path} holds no projection tables, and computing a neuron's needs "
+                                 f"the scanned model, which cannot load here ({error}); pass it (kvmem.open(PATH, "
+                                 f"model=...), --model) or write the tables where it loads: kvmem project --atlas "
+                                 f"{self.atlas.path}") from None
+        return self._model
+
+    def rows(self, table: str, layer: int, neurons, model: Model | None = None) -> pa.Table:
+        """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order."""
+        from kvmem.scanning.projection import NeuronProjector
+
+        if model is not None:
+            self.use_model(model)
+        if self._projector is None:
+            self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
+        return getattr(self._projector.tables(layer, neurons), table)
+
+
+def project_atlas(atlas, *, model: Model | None = None, progress: bool = False) -> dict[str, Any]:
+    """Write the atlas's ``values`` and ``keys`` tables (from the per-model cache, or computed now), as a scan
+    with ``projections="eager"`` writes them, and record it in the manifest. Each file and the manifest are
+    replaced by one rename; an atlas that holds them already is left as it is. -> what was done."""
+    from kvmem.scanning.progress import Phases
+    from kvmem.scanning.projection import cached_projection_files
+    from kvmem.scanning.writer import link_or_copy
+
+    if all((atlas.path / f"{name}.parquet").exists() for name in TABLES):
+        return {"written": False, "method": atlas.manifest.projection.get("method")}
+    model = model if model is not None else atlas.projections.model
+    check_model(atlas, model)
+    phases = Phases(progress)
+    with phases.phase("projections", total=len(atlas.layers)) as bar:
+        found = cached_projection_files(model, atlas.layers, atlas.manifest.config, bar=bar)
+    for name, source in found["files"].items():
+        staged = atlas.path / f".{name}.parquet.{os.getpid()}.tmp"
+        link_or_copy(Path(source), staged)
+        os.replace(staged, atlas.path / f"{name}.parquet")
+    manifest = atlas.manifest
+    manifest.projection.update(method=found["method"], tables="written by kvmem project")
+    staged = atlas.path / f".manifest.json.{os.getpid()}.tmp"
+    manifest.write(staged)
+    os.replace(staged, atlas.path / "manifest.json")
+    return {"written": True, "method": found["method"], "cached": found["cached"], "seconds": phases.elapsed()}

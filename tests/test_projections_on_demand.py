@@ -1,0 +1,99 @@
+"""Lazy projections (the default): an atlas without values and keys tables computes a neuron's rows from the
+model, bit for bit the rows an eager scan writes (token ids, ranks, tie order, float32 scores), on a plain
+LayerNorm GPT-2 and a gated Llama (key and gate vectors); ``kvmem project`` writes tables byte-identical to the
+eager ones; a query that needs a whole table says in one line how to make it; another model's weights are
+refused."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from conftest import SHORT_DOCS
+
+import kvmem
+from kvmem.cli import main
+
+SETTINGS = dict(top_k=3, window=8, batch_size=3, top_n=6, progress=False)
+NEURONS = [(0, 0), (1, 7), (1, 95)]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def pair(request, gpt2_model, llama_model, tmp_path_factory):
+    """(model, eager atlas, lazy atlas), the eager tables computed now (an empty projection cache), whole."""
+    model = {"gpt2": gpt2_model, "llama": llama_model}[request.param]
+    root = tmp_path_factory.mktemp(f"lazy-{request.param}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVMEM_CACHE", str(root / "cache"))
+        eager = kvmem.scan(model, SHORT_DOCS, out=root / "eager", projections="eager", **SETTINGS)
+        assert eager.manifest.timing["projections_cached"] is False
+        lazy = kvmem.scan(model, SHORT_DOCS, out=root / "lazy", **SETTINGS)
+        yield model, eager, lazy
+
+
+def _bits(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with its scores as their float32 bits (so -0.0 and 0.0, or two NaNs, compare as stored)."""
+    return frame.assign(score=frame.score.to_numpy().view("int32"))
+
+
+def test_a_lazy_scan_writes_no_projection_tables_and_records_it(pair):
+    _, eager, lazy = pair
+    assert not (lazy.path / "values.parquet").exists() and not (lazy.path / "keys.parquet").exists()
+    assert not lazy.has_projections and eager.has_projections
+    assert lazy.manifest.scan["projections"] == "lazy" and eager.manifest.scan["projections"] == "eager"
+    assert lazy.manifest.projection["method"] is None and eager.manifest.projection["method"] == "torch-screen"
+    for table in ("neurons", "triggers", "contexts", "histograms", "samples", "unigrams"):  # the rest is the same
+        assert (lazy.path / f"{table}.parquet").read_bytes() == (eager.path / f"{table}.parquet").read_bytes()
+
+
+def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair):
+    model, eager, lazy = pair
+    reopened = kvmem.open(lazy.path, model=model)  # the model passed in, and (below) loaded from the manifest
+    for layer, neuron in NEURONS:
+        for opened in (reopened, lazy):
+            got, want = opened.values(layer, neuron), eager.values(layer, neuron)
+            assert len(want) == len(eager.conventions) * 2 * 6
+            pd.testing.assert_frame_equal(_bits(got), _bits(want), check_exact=True)
+            got, want = opened.keys(layer, neuron), eager.keys(layer, neuron)
+            assert set(want.vector) == ({"key", "gate"} if model.gated else {"key"})
+            pd.testing.assert_frame_equal(_bits(got), _bits(want), check_exact=True)
+    many = reopened.projection_rows("values", 1, [95, 3, 7])  # several neurons at once, in table order
+    stored = pq.read_table(eager.path / "values.parquet").to_pandas()
+    stored = stored[(stored.layer == 1) & stored.neuron.isin([3, 7, 95])].reset_index(drop=True)
+    pd.testing.assert_frame_equal(_bits(many.to_pandas()), _bits(stored), check_exact=True)
+    record = reopened.neuron(1, 7)
+    assert record.promoted() == eager.neuron(1, 7).promoted() and record.promoted()
+
+
+def test_whole_table_queries_say_how_to_make_the_tables_and_project_writes_the_eager_bytes(pair, tmp_path):
+    model, eager, lazy = pair
+    copy = tmp_path / "atlas"
+    main(["scan", "--model", str(model.source), "--corpus", str(_corpus(tmp_path)), "--out", str(copy),
+          "--top-k", "3", "--window", "8", "--top-n", "6", "--batch-size", "3", "--quiet"])
+    atlas = kvmem.open(copy)
+    with pytest.raises(kvmem.KvmemError, match=rf"holds no values table .*kvmem project --atlas {copy}") as error:
+        atlas.top_neurons(token=7, by="value")
+    assert "\n" not in str(error.value)
+    with pytest.raises(kvmem.KvmemError, match="kvmem project --atlas"):
+        atlas.table("keys")
+    assert main(["project", "--atlas", str(copy), "--quiet"]) == 0
+    for table in ("values", "keys"):
+        written = (copy / f"{table}.parquet").read_bytes()
+        assert written == (eager.path / f"{table}.parquet").read_bytes(), table
+    reopened = kvmem.open(copy)
+    assert reopened.has_projections and reopened.manifest.projection["method"] == "torch-screen"
+    assert reopened.top_neurons(token=int(eager.values(1, 7).token_id.iloc[0]), by="value").shape[0] >= 1
+    assert main(["project", "--atlas", str(copy), "--quiet"]) == 0  # nothing to do the second time
+
+
+def test_another_models_weights_are_refused(pair, gpt2_model, llama_model):
+    model, _, lazy = pair
+    other = llama_model if model is gpt2_model else gpt2_model
+    with pytest.raises(kvmem.KvmemError, match="is not the scanned model"):
+        lazy.values(0, 0, model=other)
+
+
+def _corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(SHORT_DOCS))
+    return path
