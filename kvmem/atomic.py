@@ -63,20 +63,36 @@ def held_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` for the block, or raise :class:`kvmem.errors.KvmemError`
     at once, naming the process that holds it.
 
-    ``what``: the thing the lock guards, for the message. The lock file holds its holder's pid and stays
-    in place after the block (as ``filelock`` leaves it, so that every process locks the same file); a
-    holder that died holds nothing (the operating system drops a dead process's lock).
+    ``what``: the thing the lock guards, for the message. The lock file holds its holder's pid while the
+    block runs and is removed before the lock is released, so the file system is left as it was found; a
+    process that locked a file another holder had just removed sees it (the path names another file or
+    none) and is refused like any other. A holder that died holds nothing (the operating system drops a
+    dead process's lock) and leaves the file, which the next holder takes over.
     """
-    lock = _lock(Path(path), timeout=0)
+    path = Path(path)
+    lock = _lock(path, timeout=0)
     try:
         lock.acquire()
+        if filelock.has_fcntl and not _still_named(path, lock):
+            lock.release()
+            raise filelock.Timeout(str(path))
     except filelock.Timeout:
-        raise KvmemError(f"{what} is in use by a running kvmem (pid {_holder(Path(path))}); wait for it to finish, "
+        raise KvmemError(f"{what} is in use by a running kvmem (pid {_holder(path)}); wait for it to finish, "
                          f"or write somewhere else") from None
     try:
         yield
     finally:
+        if filelock.has_fcntl:  # (Windows cannot remove an open file; filelock's soft lock removes its own)
+            path.unlink(missing_ok=True)  # while still held: a waiting process then finds its file gone
         lock.release()
+
+
+def _still_named(path: Path, lock: filelock.BaseFileLock) -> bool:
+    """Whether ``path`` still names the file ``lock`` holds (a releasing holder removes it first)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(lock._context.lock_file_fd).st_ino
+    except (OSError, TypeError):
+        return False
 
 
 @contextmanager

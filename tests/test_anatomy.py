@@ -73,4 +73,4 @@ def test_anatomy_cli(gpt2_dir, capsys):
 
     assert main(["anatomy", str(gpt2_dir)]) == 0
     out = capsys.readouterr().out
-    assert "33,088" in out and "formula matches every layer: True" in out
+    assert " 33088 " in out and "formula matches every layer: True" in out

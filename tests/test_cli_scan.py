@@ -251,6 +251,7 @@ def test_a_second_scan_into_a_running_scans_out_is_refused(gpt2_dir, corpus, who
         first.wait()
         first.stderr.close()
     assert_same_tables(whole, out)
+    assert not lock.exists()  # removed by the scan that held it
     assert main([*argv, "--overwrite"]) == 0  # free again
 
 

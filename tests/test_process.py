@@ -129,6 +129,7 @@ def test_an_output_lock_refuses_a_second_process_naming_the_holder_and_frees_whe
     pid, second, third = _locking(tmp_path, "")
     assert second == f"the output is in use by a running kvmem (pid {pid}); wait for it to finish, or write somewhere else"
     assert third == "acquired"  # a SIGKILLed holder holds nothing
+    assert list(tmp_path.iterdir()) == []  # the last holder removed the lock file: the directory is as found
 
 
 def test_locks_work_where_fcntl_does_not_exist(tmp_path):
