@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvmem.atlas_projections import TABLES as PROJECTION_TABLES
-from kvmem.atlas_projections import OnDemandProjections, missing_table_message, project_atlas
+from kvmem.atlas_projections import OnDemandProjections, project_atlas
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.manifest import Manifest
@@ -167,9 +167,7 @@ class Atlas:
     # ---- file access ----
     def _file(self, table: str) -> pq.ParquetFile:
         if table not in self._files:
-            path = self.path / f"{table}.parquet"
-            if not path.exists() and table in PROJECTION_TABLES:
-                raise KvmemError(missing_table_message(self.path, table))
+            path = self.table_path(table)
             if not path.exists():
                 raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
             try:
@@ -314,6 +312,21 @@ class Atlas:
         if kind is not None:
             rows = rows.filter(pc.equal(rows.column("kind"), kind))
         return self._with_text(rows, "triggers").to_pandas()
+
+    def table_path(self, table: str) -> Path:
+        """Where ``table``'s parquet file is: the atlas's own file, or, for a projection table (values, keys)
+        that the atlas does not hold, the scanned model's tables in the per-model projection cache
+        (``$KVMEM_CACHE/projections/``), computed once per model and equal to the tables an eager scan
+        writes. Their first use loads the scanned model (the manifest's, fingerprint checked, or the one
+        passed to :func:`kvmem.open`); ``kvmem project`` keeps them in the atlas."""
+        path = self.path / f"{table}.parquet"
+        if path.exists() or table not in PROJECTION_TABLES:
+            return path
+        return self.projections.cached_file(table)
+
+    def holds(self, table: str) -> bool:
+        """Whether the atlas directory holds ``table``'s file (a lazily scanned atlas holds no values or keys)."""
+        return (self.path / f"{table}.parquet").exists()
 
     @property
     def has_projections(self) -> bool:
@@ -499,8 +512,10 @@ class Atlas:
         if "_vocab" not in self._cache:
             frames = [self._table("triggers", ["token_id", "token"]) if self._legacy_texts("triggers")
                       else self._contexts("triggers")[1].select(["token_id", "token"]).to_pandas()]
-            if (self.path / "values.parquet").exists():
+            try:  # the vocabulary the values table names (the model's cached tables where the atlas holds none)
                 frames.insert(0, self._table("values", ["token_id", "token"]))
+            except KvmemError:  # no model here: the tokens the triggers name
+                pass
             both = pd.concat(frames).drop_duplicates("token")
             self._cache["_vocab"] = dict(zip(both.token, both.token_id.astype(int)))
         return self._cache["_vocab"]

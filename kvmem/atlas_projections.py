@@ -5,8 +5,9 @@ whole tables written into the atlas (:func:`project_atlas`, ``kvmem project``).
 The rows computed on demand are the rows the tables would hold (token ids, ranks, tie order, scores, to
 the bit: :class:`kvmem.scanning.projection.NeuronProjector`), from the model the manifest names (loaded
 with its fingerprint checked, :func:`kvmem.scanned.load_scanned_model`) or one passed in (checked the
-same way). A query that needs a whole table (``top_neurons(by="value")``, the explorer's search by a
-promoted token, the taxonomy) says in one line how to write it. torch is imported only when a projection
+same way). A query that needs a whole table (``top_neurons(by="value")``, the taxonomy, the experiments) reads the
+model's tables from the per-model projection cache, computed once with the scanned model
+(:meth:`OnDemandProjections.cached_file`); where the model cannot load it says in one line how to write them. torch is imported only when a projection
 is computed.
 """
 
@@ -43,6 +44,7 @@ class OnDemandProjections:
         self.atlas = atlas
         self._model: Model | None = None
         self._projector = None
+        self._files: dict | None = None
         if model is not None:
             self.use_model(model)
 
@@ -63,6 +65,26 @@ class OnDemandProjections:
                                  f"model=...), --model) or write the tables where it loads: kvmem project --atlas "
                                  f"{self.atlas.path}") from None
         return self._model
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the scanned model is at hand (passed in, or loaded for an earlier projection)."""
+        return self._model is not None
+
+    def cached_file(self, table: str) -> Path:
+        """The parquet file of the whole ``table`` (values | keys) for this atlas's layers and settings, from the
+        per-model projection cache, computed with the scanned model on first use."""
+        if self._files is None:
+            try:
+                model = self.model
+            except KvmemError as error:
+                raise KvmemError(missing_table_message(self.atlas.path, table, f"; the scanned model is needed to "
+                                                       f"compute it and does not load here ({error})")) from None
+            from kvmem.scanning.projection import cached_projection_files
+
+            self._files = {name: Path(path) for name, path in
+                           cached_projection_files(model, self.atlas.layers, self.atlas.manifest.config)["files"].items()}
+        return self._files[table]
 
     def rows(self, table: str, layer: int, neurons, model: Model | None = None) -> pa.Table:
         """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order."""

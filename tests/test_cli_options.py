@@ -157,7 +157,7 @@ def test_token_budget_and_cpu_auto_resolve_to_whole_windows(gpt2_model, tmp_path
     by_budget = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "budget", batch_size="100 tokens", **settings)
     by_count = kvmem.scan(gpt2_model, "pydoc", out=tmp_path / "count", batch_size=3, **settings)
     assert by_budget.manifest.plan.batch_size == 3
-    for table in ("triggers", "values", "histograms", "neurons"):
+    for table in ("triggers", "histograms", "neurons"):
         assert (by_budget.path / f"{table}.parquet").read_bytes() == (by_count.path / f"{table}.parquet").read_bytes()
 
 

@@ -21,7 +21,7 @@ from kvmem.scanning.statistics import OPTIONAL  # noqa: E402
 @pytest.mark.parametrize("per_document", [False, True])
 def test_two_waits_per_layer_and_batch(gpt2_model, per_document):
     """Every statistic composed (the optional ones too): their reads share the layer's two rounds."""
-    result = host_syncs.count(gpt2_model, "pydoc", tokens=700, per_document=per_document, batch_size="4",
+    result = host_syncs.count(gpt2_model, "pydoc", tokens=1500, per_document=per_document, batch_size="4",
                               statistics=OPTIONAL)
     assert result["batches"] >= 3 and result["layers"] == 2
     assert result["step_syncs_per_layer_per_batch"] <= 2, result

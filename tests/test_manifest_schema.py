@@ -63,7 +63,7 @@ def test_every_table_on_disk_has_the_schema_of_kvmem_schema(small_atlas):
     import pyarrow.parquet as pq
 
     for name in TABLES:
-        assert pq.ParquetFile(small_atlas.path / f"{name}.parquet").schema_arrow == arrow_schema(name), name
+        assert pq.ParquetFile(small_atlas.table_path(name)).schema_arrow == arrow_schema(name), name
         assert arrow_schema(name).names == list(COLUMNS[name])
 
 

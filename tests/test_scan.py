@@ -280,9 +280,9 @@ def test_missing_or_corrupt_atlas(gpt2_atlas, tmp_path):
 
     broken = tmp_path / "broken"
     shutil.copytree(gpt2_atlas.path, broken)
-    (broken / "values.parquet").unlink()
-    with pytest.raises(kvmem.KvmemError, match=r"values.parquet is missing"):
-        kvmem.open(broken).values(0, 0)
+    (broken / "histograms.parquet").unlink()
+    with pytest.raises(kvmem.KvmemError, match=r"histograms.parquet is missing"):
+        kvmem.open(broken).histogram(0, 0)
     (broken / "triggers.parquet").write_bytes(b"garbage")
     with pytest.raises(kvmem.KvmemError, match=r"triggers.parquet is corrupt"):
         kvmem.open(broken).triggers(0, 0)

@@ -36,13 +36,15 @@ _NEEDS = {
 def _readable(atlas) -> bool:
     for table, columns in _NEEDS.items():
         path = atlas.path / f"{table}.parquet"
+        if table == "values" and not path.exists():  # the model's cached tables (Atlas.table_path)
+            continue
         if not path.exists() or not set(columns) <= set(pq.ParquetFile(path).schema_arrow.names):
             return False
     return True
 
 
 def _layer_rows(atlas, table: str, layer: int, wanted: set[int]):
-    frame = pq.read_table(atlas.path / f"{table}.parquet", columns=_NEEDS[table],
+    frame = pq.read_table(atlas.table_path(table), columns=_NEEDS[table],
                           filters=[("layer", "=", layer)]).to_pandas()
     frame = frame[frame.neuron.isin(wanted)]
     return frame.sort_values("neuron", kind="stable").reset_index(drop=True)

@@ -92,6 +92,8 @@ class Contexts:
 def _readable(atlas) -> bool:
     for table, columns in _NEEDS.items():
         path = atlas.path / f"{table}.parquet"
+        if table == "values" and not path.exists():  # computed on demand (_layer_table)
+            continue
         if not path.exists() or not set(columns) <= set(pq.ParquetFile(path).schema_arrow.names):
             return False
     return not set(_NEEDS["contexts"][2:]) & set(pq.ParquetFile(atlas.path / "triggers.parquet").schema_arrow.names)

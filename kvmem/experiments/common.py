@@ -235,7 +235,7 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     scores under ``convention``. Read from the atlas's values table (rank 0) when ``atlas`` holds it, the
     layer and the convention; otherwise computed from the model in blocks of ``block`` neurons.
     """
-    if atlas is not None and layer in atlas.layers and convention in atlas.conventions and atlas.has_projections:
+    if atlas is not None and layer in atlas.layers and convention in atlas.conventions and atlas.holds("values"):
         if atlas not in _VALUE_TOPS:  # the values table's rank-0 rows, read once per atlas
             _VALUE_TOPS[atlas] = read_columns(atlas, "values", ["layer", "convention", "neuron", "kind", "token_id"],
                                               [("rank", "=", 0)])
@@ -249,6 +249,8 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
             ids[part.neuron.to_numpy()] = part.token_id.to_numpy()
             out.append(ids)
         return out[0], out[1]
+    if model is None and atlas is not None and layer in atlas.layers and convention in atlas.conventions:
+        model = atlas.projections.model  # the scanned model (fingerprint checked), or a one-line error
     if model is None:
         raise KvmemError(f"layer {layer} / convention {convention!r} is not in the atlas; pass the model to compute it")
     cache = _TOPS.setdefault(model, {})
