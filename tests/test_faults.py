@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-import kvmem.schema
-
 ROOT = Path(__file__).resolve().parent.parent
 SCAN = ["--corpus", "pydoc", "--max-tokens", "2000", "--window", "32", "--top-k", "4", "--quiet"]
 
