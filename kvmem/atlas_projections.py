@@ -4,7 +4,7 @@ whole tables written into the atlas (:func:`project_atlas`, ``kvmem project``).
 
 The rows computed on demand are the rows the tables would hold (token ids, ranks, tie order, scores, to
 the bit: :class:`kvmem.scanning.projection.NeuronProjector`), from the model the manifest names (loaded
-with its fingerprint checked, :func:`kvmem.scanned.load_scanned_model`) or one passed in (checked the
+with its fingerprint checked, :func:`kvmem.atlas_origin.load_scanned_model`) or one passed in (checked the
 same way). A query that needs a whole table (``top_neurons(by="value")``, the explorer's search by a
 promoted token, the taxonomy) says in one line how to write it. torch is imported only when a projection
 is computed.
@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmem.atlas_origin import check_model, load_scanned_model
 from kvmem.errors import KvmemError
-from kvmem.scanned import check_model, load_scanned_model
 
 if TYPE_CHECKING:
     import pyarrow as pa
