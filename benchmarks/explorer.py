@@ -103,7 +103,7 @@ def measure(paths: dict[int, Path], samples: int) -> dict[int, dict]:
     """Every atlas served at once; each round asks every server in turn (rotating the order), so the host's
     load weighs on all sizes alike. The Python API baselines run in this process, alternated with the pages
     of the whole atlas (the largest key)."""
-    from kvmem.report.record import neuron_data
+    from kvmem.report.neuron_dict import neuron_data
 
     whole = max(paths)
     atlases = {n: kvmem.open(path) for n, path in paths.items()}

@@ -24,7 +24,7 @@ from common import Timer, machine, token_batches
 
 import kvmem
 from kvmem.plan import Batch, TokenPlan, WindowText
-from kvmem.scanning.capture import capture_coefficients, has_gate_up
+from kvmem.scanning.coefficients import capture_coefficients, has_gate_up
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.statistics import ScanState, compose
 from kvmem.scanning.step import BatchRows, BatchStep

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     from kvmem.autointerp.bulk import layer_evidence
     from kvmem.autointerp.judges import TokensJudge
     from kvmem.autointerp.scorers import SCORERS
-    from kvmem.experiments.common import single_cycle
+    from kvmem.experiments.stats import single_cycle
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--atlas", required=True)

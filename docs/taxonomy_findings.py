@@ -107,7 +107,7 @@ def ablations(atlas, frame, *, layers, candidates: int, random: int, n_windows: 
     ‖P v_i‖² = value_norm² · null_space_fraction, and of ``random`` other neurons of the same layer."""
     import torch
 
-    from kvmem.scanned import load_scanned_model
+    from kvmem.atlas_origin import load_scanned_model
 
     model = load_scanned_model(atlas, device="cpu")
     ids = _windows(model, n_windows, length)

@@ -3,7 +3,7 @@ and the logits.
 
 Only :class:`kvmem.models.Model` reaches into a model's module tree, through :func:`get_spec`;
 hook names (FFN sites and the residual stream around them) are formatted only by :func:`hook_name`,
-which ``Model.hook_name`` wraps. (Exceptions still to be routed here: ``kvmem.experiments.composition``
+which ``Model.hook_name`` wraps. (Exceptions still to be routed here: ``kvmem.experiments.layer_prediction``
 formats ``blocks.L.hook_resid_*`` names itself.)
 
 Notation (also in README): for layer L with ``d_ff`` neurons (memory slots),

@@ -4,7 +4,7 @@ whole tables written into the atlas (:func:`project_atlas`, ``kvmem project``).
 
 The rows computed on demand are the rows the tables would hold (token ids, ranks, tie order, scores, to
 the bit: :class:`kvmem.scanning.projection.NeuronProjector`), from the model the manifest names (loaded
-with its fingerprint checked, :func:`kvmem.scanned.load_scanned_model`) or one passed in (checked the
+with its fingerprint checked, :func:`kvmem.atlas_origin.load_scanned_model`) or one passed in (checked the
 same way). A query that needs a whole table (``top_neurons(by="value")``, the taxonomy, the experiments) reads the
 model's tables from the per-model projection cache, computed once with the scanned model
 (:meth:`OnDemandProjections.cached_file`); where the model cannot load it says in one line how to write them. torch is imported only when a projection
@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmem.atlas_origin import check_model, load_scanned_model
 from kvmem.errors import KvmemError
-from kvmem.scanned import check_model, load_scanned_model
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -27,9 +27,9 @@ from itertools import takewhile
 
 import numpy as np
 
+from kvmem.atlas_origin import check_model, scanned_corpus
 from kvmem.errors import KvmemError
 from kvmem.plan import StreamPosition, iterate_batches, window_key
-from kvmem.scanned import check_model, scanned_corpus
 
 __all__ = ["ActivationRecord", "ContextRequest", "activation_records", "context_coefficients"]
 
@@ -120,7 +120,7 @@ def context_coefficients(atlas, model, requests: Sequence[ContextRequest], *, co
     """
     import torch
 
-    from kvmem.scanning.capture import capture_coefficients
+    from kvmem.scanning.coefficients import capture_coefficients
 
     if not requests:
         return []

@@ -208,7 +208,7 @@ def neuron_reports():
 
 Export neurons as reports: **HTML** (one self-contained file per neuron, figures inline, opens offline),
 **Markdown** (renders on GitHub, figures as PNG files beside it) or **JSON** (schema `kvmem.neuron/1`,
-documented in `kvmem.report.record`). Many at once get an index page. The same from a shell:
+documented in `kvmem.report.neuron_dict`). Many at once get an index page. The same from a shell:
 `kvmem report --atlas DIR --layer 29 --top 5 --format html --out reports/`.
 """),
         code(SETTINGS),

@@ -73,7 +73,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def sampling_key(code: int, seed: int) -> int:
-    """splitmix64 of (code, seed), top 53 bits: the key ``kvmem.scanning.rules`` documents."""
+    """splitmix64 of (code, seed), top 53 bits: the key ``kvmem.scanning.ordering`` documents."""
     x = (code ^ (seed * _GOLDEN)) & _MASK
     x = (x + _GOLDEN) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK

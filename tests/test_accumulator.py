@@ -10,7 +10,7 @@ import torch
 from layer_driver import fold, new_layer
 
 from kvmem.scanning.histogram import HIST_BINS, reference_bin
-from kvmem.scanning.rules import BLOCK_ROWS, KEY_BITS, NO_KEY, order_by_key, position_keys
+from kvmem.scanning.ordering import BLOCK_ROWS, KEY_BITS, NO_KEY, order_by_key, position_keys
 from kvmem.scanning.statistics.sides import block_extremes
 from kvmem.scanning.step import window_context
 

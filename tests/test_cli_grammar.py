@@ -18,7 +18,7 @@ from conftest import SHORT_DOCS
 import kvmem
 from kvmem.cli import COMMANDS, build_parser, main
 from kvmem.cli.options import parse_neurons
-from kvmem.cli.output import format_table
+from kvmem.cli.printing import format_table
 from kvmem.errors import KvmemError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,9 @@ import kvmem
 from kvmem import experiments as E
 from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import single_cycle, value_top_tokens
+from kvmem.experiments.atlas_inputs import value_top_tokens
 from kvmem.experiments.ranks import SUMMARY_COLUMNS
+from kvmem.experiments.stats import single_cycle
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVENANCE_KEYS = {"experiment", "model", "fingerprint", "settings", "kvmem_version"}

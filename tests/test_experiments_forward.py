@@ -24,7 +24,7 @@ import kvmem
 from kvmem import experiments as E
 from kvmem.cli import main
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import FingerprintWarning
+from kvmem.experiments.atlas_inputs import FingerprintWarning
 from kvmem.experiments.forward import corpus_windows, read_positions, sample_positions, scan_plan
 
 ROOT = Path(__file__).resolve().parents[1]

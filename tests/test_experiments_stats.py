@@ -18,7 +18,7 @@ from experiment_fixtures import _fake_atlas
 
 from kvmem import experiments as E
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import memory_sides, trigger_kind
+from kvmem.experiments.signed_memories import memory_sides, trigger_kind
 from kvmem.experiments.stats import average_ranks, bootstrap_ci, exact_permutation_null, sign_test, wilcoxon_signed_rank
 
 

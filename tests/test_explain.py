@@ -8,7 +8,6 @@ import pytest
 from kvmem.autointerp.evidence import Example, SideEvidence
 from kvmem.autointerp.explainers.tokens import TokensExplainer, fit_rule
 from kvmem.autointerp.judges import TokensJudge
-from kvmem.autointerp.rules import Rule, normalize
 from kvmem.autointerp.scorers import SCORERS, detection, fuzzing, get_scorers, simulation
 from kvmem.autointerp.scorers.statistics import (
     balanced_accuracy,
@@ -20,6 +19,7 @@ from kvmem.autointerp.scorers.statistics import (
     pearson_from,
 )
 from kvmem.autointerp.splits import held_out_mask
+from kvmem.autointerp.token_rules import Rule, normalize
 from kvmem.errors import KvmemError
 
 WORDS = [" the", " a", " cat", " dog", " sat", " on", " mat", " ran", " to", " and", " fish", " bird"]

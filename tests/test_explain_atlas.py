@@ -19,7 +19,7 @@ import pytest
 
 import kvmem
 from kvmem.autointerp import store
-from kvmem.autointerp.rules import Rule
+from kvmem.autointerp.token_rules import Rule
 from kvmem.cli import main
 from kvmem.errors import KvmemError
 

@@ -15,7 +15,6 @@ import pytest
 
 from kvmem.autointerp.evidence import Example, SideEvidence, WrittenToken
 from kvmem.autointerp.judges import TokensJudge
-from kvmem.autointerp.rules import Rule
 from kvmem.autointerp.scorers import detection, fuzzing, output, simulation
 from kvmem.autointerp.scorers.base import Query, Task
 from kvmem.autointerp.scorers.nulls import (
@@ -33,6 +32,7 @@ from kvmem.autointerp.scorers.protocols import (
     neuron_explainer_records,
 )
 from kvmem.autointerp.scorers.statistics import classification_metrics, rank_auc
+from kvmem.autointerp.token_rules import Rule
 
 
 def _task(truth, scorer="detection", protocol="kvmem", undefined=float("nan")):

@@ -64,7 +64,7 @@ def test_each_side_has_its_own_negatives_and_too_few_are_not_scored(explain_atla
 
 
 def test_output_side_split_and_scored(explain_atlas):
-    from kvmem.autointerp.rules import Rule
+    from kvmem.autointerp.token_rules import Rule
 
     rows = kvmem.explain(explain_atlas, neurons=[(0, n) for n in range(0, 256, 8)])
     evidence = layer_evidence(explain_atlas, 0, range(0, 256, 8), seed=0, held_out=0.5)
@@ -127,7 +127,7 @@ def test_intervention_scorer_steers_the_real_model_and_leaves_it_as_it_was(expla
 
 
 def test_embedding_scorer_with_the_offline_minilm(explain_atlas, tmp_path):
-    from kvmem.autointerp.embedding import default_embedder_dir, load_embedder
+    from kvmem.autointerp.embedder import default_embedder_dir, load_embedder
 
     embedder = load_embedder()
     assert embedder.name == str(default_embedder_dir())

@@ -168,7 +168,7 @@ def test_agreement_counts_a_planted_hit(atlas, best):
     data = neuron_data(atlas, layer, neuron)
     planted = data["values"]["raw"]["promote"][3]
     data["triggers"]["top"][0].update(next_token=planted["token"], next_token_id=planted["token_id"])
-    from kvmem.report.record import agreement
+    from kvmem.report.neuron_dict import agreement
 
     row = next(a for a in agreement(data) if a["convention"] == "raw" and a["triggers"] == "top")
     assert row["hits"][0] == {"trigger_rank": 0, "next_token": planted["token"], "next_token_id": planted["token_id"],

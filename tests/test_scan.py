@@ -336,7 +336,7 @@ def test_samples_equal_brute_force(gpt2_model, gpt2_atlas):
     """The random sample is the positions with the smallest keys; each bin keeps its smallest keys under the rate."""
     from kvmem.plan import pack
     from kvmem.scanning.histogram import bin_index
-    from kvmem.scanning.rules import KEY_BITS, position_keys
+    from kvmem.scanning.ordering import KEY_BITS, position_keys
 
     rows, acts = brute_force(gpt2_model, SHORT_DOCS)
     codes = torch.tensor([int(pack(d, p)) for d, p in rows])

@@ -1,4 +1,4 @@
-"""kvmem.scanned: the scanned model (name, dtype and hub revision from the manifest), the scanned corpus, and the
+"""kvmem.atlas_origin: the scanned model (name, dtype and hub revision from the manifest), the scanned corpus, and the
 one fingerprint policy (refuse for records and merges, warn for experiments)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 import kvmem
 import kvmem.loading
 from kvmem.atlas import open_atlas
+from kvmem.atlas_origin import ON_MISMATCH, FingerprintWarning, check_model, load_scanned_model, scanned_corpus
 from kvmem.corpus import open_corpus
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import check_fingerprint, model_for_atlas
+from kvmem.experiments.atlas_inputs import check_fingerprint, model_for_atlas
 from kvmem.manifest import Manifest
-from kvmem.scanned import ON_MISMATCH, FingerprintWarning, check_model, load_scanned_model, scanned_corpus
 
 
 def _edited_copy(atlas, target, **model_fields):

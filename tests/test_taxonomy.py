@@ -17,7 +17,7 @@ from kvmem.cli import main
 from kvmem.errors import KvmemError
 from kvmem.scanning.histogram import MAGNITUDE_EDGES
 from kvmem.taxonomy import COLUMNS, PENDING, Thresholds, build_taxonomy, read_taxonomy, write_taxonomy
-from kvmem.taxonomy.evidence import NOT_KEPT
+from kvmem.taxonomy.exact_columns import NOT_KEPT
 from kvmem.taxonomy.table import arrow_schema, read_taxonomy_metadata
 from kvmem.taxonomy.weights import vocab_moments
 
@@ -228,7 +228,7 @@ def test_detector_and_self_suppression_equal_brute_force_over_the_tables(llama_m
     _brute_force_detector_and_self_suppression(frame, triggers, values, "final_norm")
     # a random-init value rarely lists its top trigger's token among 30 of 50,257: plant it in a copy of the
     # values table (neuron n gets the token at suppressed rank n % 30) so the kept branch is checked too
-    from kvmem.taxonomy.evidence import self_suppression
+    from kvmem.taxonomy.exact_columns import self_suppression
 
     firsts = triggers[(triggers.kind == "top") & (triggers["rank"] == 0)].set_index(["layer", "neuron"]).token_id
     edited = values.copy()
@@ -315,7 +315,7 @@ def test_plot_taxonomy_and_report_row(llama_model, llama_atlas, tmp_path):
     matplotlib.use("Agg")
     from kvmem.plots import plot_taxonomy
     from kvmem.report.html import render_neuron
-    from kvmem.report.record import neuron_data
+    from kvmem.report.neuron_dict import neuron_data
 
     frame, metadata = build_taxonomy(llama_model, atlas=llama_atlas)
     ax = plot_taxonomy(frame, column="prediction", paper=0.5)

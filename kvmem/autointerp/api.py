@@ -22,7 +22,7 @@ from kvmem.autointerp.layertable import read_contexts, read_layer
 from kvmem.autointerp.selection import select_neurons
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, split_window
 from kvmem.autointerp.vectorised import KeyTables
-from kvmem.experiments.common import as_atlas
+from kvmem.experiments.atlas_inputs import as_atlas
 
 __all__ = ["explain", "explanations", "backend_options", "JOURNAL"]
 

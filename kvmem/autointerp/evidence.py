@@ -1,6 +1,6 @@
 """The evidence about one neuron side, split into what an explainer sees and what a scorer judges.
 
-A side is one memory of a neuron (:data:`kvmem.experiments.common.SIDES`): ``positive`` reads m_i
+A side is one memory of a neuron (:data:`kvmem.experiments.signed_memories.SIDES`): ``positive`` reads m_i
 with +v_i, ``negative`` reads -m_i with -v_i (gated FFNs). Every number here is the *side
 activation* ``a = sign * m_i``, so "fires" always means a large ``a``.
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, held_out_mask, held_out_tokens, split_window
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import SIDES, memory_sides
+from kvmem.experiments.signed_memories import SIDES, memory_sides
 
 __all__ = ["Example", "SideEvidence", "WrittenToken", "split_written", "ACTIVE_LEVELS", "BANDS", "load_evidence", "neuron_sides", "sides_from_rows",
            "frame_rows", "ROW_COLUMNS"]

@@ -10,7 +10,7 @@ __all__ = ["Explanation"]
 @dataclass(frozen=True, kw_only=True)
 class Explanation:
     """layer, neuron, side: the memory;  text: the explanation in words;  rule: a
-    :class:`~kvmem.autointerp.rules.Rule` as JSON, or "" when the explainer wrote none;
+    :class:`~kvmem.autointerp.token_rules.Rule` as JSON, or "" when the explainer wrote none;
     explainer: its registry spec (``tokens``, ``hf:PATH``, ``openai:URL``);  explainer_model, explainer_fingerprint:
     the model that wrote it ("" for ``tokens``);  prompt_version, prompt_hash: the template used
     ("" for ``tokens``);  explain_codes: position codes of the examples it was shown;

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmem.autointerp.prompts import PROMPTS, parse_choice, parse_simulation, parse_yes_no, render_context
-from kvmem.autointerp.rules import Rule
+from kvmem.autointerp.token_rules import Rule
 from kvmem.errors import KvmemError
 
 __all__ = ["TokensJudge", "LLMJudge", "rule_of"]

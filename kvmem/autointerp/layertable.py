@@ -6,7 +6,7 @@ examples in the same order (a side's triggers, then the layer's random samples, 
 samples; a position kept twice is one example, the first), the same bands, activations, firing
 flags and split. Contexts are not copied per example: an example points at a row of
 :class:`Contexts`, the atlas's ``contexts`` table read once per run, whose tokens are integer ids
-(of the raw token and of its :func:`~kvmem.autointerp.rules.normalize` form) padded to a width W.
+(of the raw token and of its :func:`~kvmem.autointerp.token_rules.normalize` form) padded to a width W.
 :mod:`kvmem.autointerp.vectorised` explains and scores from these arrays;
 :meth:`LayerExamples.sides` turns them back into ``SideEvidence`` for the LLM explainers and judges.
 
@@ -24,10 +24,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvmem.autointerp.evidence import ACTIVE_LEVELS, BANDS, Example, SideEvidence, split_written
-from kvmem.autointerp.rules import normalize
 from kvmem.autointerp.splits import held_out_mask, split_window
+from kvmem.autointerp.token_rules import normalize
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import SIDES
+from kvmem.experiments.signed_memories import SIDES
 
 __all__ = ["Contexts", "LayerExamples", "read_contexts", "read_layer", "BAND_CODE"]
 

@@ -25,7 +25,7 @@ def _model_dir(atlas, seed: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvmem.scanned import load_scanned_model
+    from kvmem.atlas_origin import load_scanned_model
 
     target = atlas.path.with_name(atlas.path.name + ".random-init.model")
     stamp = {"source": atlas.manifest.model["name"], "fingerprint": atlas.manifest.model["fingerprint"], "seed": seed}
@@ -46,7 +46,7 @@ def random_init_atlas(atlas, *, seed: int = 0, corpus=None, progress: bool = Fal
     """The sibling atlas of a random-init copy, scanned with ``atlas``'s settings (made once, then reused)."""
     import kvmem
     from kvmem.atlas import open_atlas
-    from kvmem.scanned import scanned_corpus
+    from kvmem.atlas_origin import scanned_corpus
 
     sibling = atlas.path.with_name(atlas.path.name + ".random-init")
     directory = _model_dir(atlas, seed)

@@ -31,7 +31,9 @@ from kvmem.autointerp.scorers.statistics import N_BOOT
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, split_window
 from kvmem.autointerp.vectorised import FAST_SCORERS, KeyTables, score_layer
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import SIDES, as_atlas, single_cycle
+from kvmem.experiments.atlas_inputs import as_atlas
+from kvmem.experiments.signed_memories import SIDES
+from kvmem.experiments.stats import single_cycle
 
 __all__ = ["score", "read_user_file", "DEFAULT_SCORERS", "BASELINES", "MIN_QUIET", "MIN_EXAMPLES", "JOURNAL"]
 
@@ -175,12 +177,12 @@ def _extras(atlas, modules, *, model, embedder) -> dict:
     extra = {}
     if any(getattr(m, "NEEDS", None) == "model" for m in modules):
         if model is None:
-            from kvmem.scanned import load_scanned_model
+            from kvmem.atlas_origin import load_scanned_model
 
             model = load_scanned_model(atlas)
         extra["model"] = model
     if any(getattr(m, "NEEDS", None) == "embedder" for m in modules):
-        from kvmem.autointerp.embedding import load_embedder
+        from kvmem.autointerp.embedder import load_embedder
 
         extra["embedder"] = load_embedder(embedder)
     return extra

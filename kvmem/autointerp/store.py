@@ -35,7 +35,7 @@ BASE: dict[str, str] = {
     "prompt_version": "string, the explain prompt's version ('' without a prompt)",
     "prompt_hash": "string, sha256 prefix of that prompt (kvmem.autointerp.prompts)",
     "text": "string, the explanation",
-    "rule": "string, a rule a program applies (JSON, kvmem.autointerp.rules), '' when none",
+    "rule": "string, a rule a program applies (JSON, kvmem.autointerp.token_rules), '' when none",
     "explain_score": "float64, the explainer's own balanced accuracy on the examples it saw (NaN if none)",
     "explain_codes": "list<int64>, position codes (doc << 32 | pos) of the examples the explainer saw",
     "split_seed": "int64, seed of the explain / held-out split (kvmem.autointerp.splits)",

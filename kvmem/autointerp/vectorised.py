@@ -26,7 +26,6 @@ import numpy as np
 
 from kvmem.autointerp.explanation import Explanation
 from kvmem.autointerp.layertable import BAND_CODE
-from kvmem.autointerp.rules import RULE_KINDS, Rule, normalize
 from kvmem.autointerp.scorers import SCORERS
 from kvmem.autointerp.scorers.base import PER_BAND, Task
 from kvmem.autointerp.scorers.nulls import classification_nulls, hull, hypergeometric_p, shifted_interval, swap_p
@@ -40,6 +39,7 @@ from kvmem.autointerp.scorers.statistics import (
     pearson_from,
 )
 from kvmem.autointerp.splits import splitmix64
+from kvmem.autointerp.token_rules import RULE_KINDS, Rule, normalize
 from kvmem.errors import KvmemError
 
 __all__ = ["KeyTables", "explain_layer", "score_layer", "ScoredRows", "FAST_SCORERS"]

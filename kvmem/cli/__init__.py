@@ -3,7 +3,7 @@
 Each subcommand lives in its own module of this package with two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. User errors (:class:`KvmemError`) print
 one line ``kvmem: error: ...`` and exit with status 2, and so do operating-system errors (a full
-disk while the atlas is written: :func:`kvmem.cli.output.os_error_line`); ``--debug`` shows the
+disk while the atlas is written: :func:`kvmem.cli.printing.os_error_line`); ``--debug`` shows the
 traceback. Output cut short by its reader (``| head``) ends quietly with status 141, as SIGPIPE
 would. The command leaves the process as Python runs it: no garbage-collector or allocator settings,
 and the interpreter's usual exit (profilers, coverage and ``atexit`` handlers see its end).
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from importlib import import_module
 
 from kvmem import __version__
-from kvmem.cli.output import os_error_line
+from kvmem.cli.printing import os_error_line
 from kvmem.errors import KvmemError
 
 __all__ = ["main", "run", "COMMANDS", "BROKEN_PIPE"]

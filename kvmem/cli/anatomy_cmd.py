@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvmem.cli.output import print_table
+from kvmem.cli.printing import print_table
 from kvmem.loading import load_model
 
 

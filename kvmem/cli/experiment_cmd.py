@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 from kvmem.cli.options import add_layers_option, parse_layers
-from kvmem.cli.output import print_table
+from kvmem.cli.printing import print_table
 from kvmem.devices import device_help
 from kvmem.errors import KvmemError
 from kvmem.experiments.registry import EXPERIMENTS
@@ -135,7 +135,7 @@ def _write(frame, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmem.experiments.common import FingerprintWarning, as_atlas, model_for_atlas
+    from kvmem.experiments.atlas_inputs import FingerprintWarning, as_atlas, model_for_atlas
 
     experiment = EXPERIMENTS[args.name]
     function = experiment.load()

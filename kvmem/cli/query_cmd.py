@@ -11,7 +11,7 @@ import argparse
 
 import kvmem
 from kvmem.cli.options import add_atlas_option, add_neurons_option, neuron_id, parse_neurons
-from kvmem.cli.output import print_table
+from kvmem.cli.printing import print_table
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 
 _CONVENTION_HELP = f"value projection convention (default {DEFAULT_CONVENTION} if the atlas has it)"

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         atlas = kvmem.open(args.atlas)
         model = None
         if args.model is not None or args.device is not None:
-            from kvmem.scanned import load_scanned_model
+            from kvmem.atlas_origin import load_scanned_model
 
             model = (kvmem.load_model(args.model, device=args.device) if args.model is not None
                      else load_scanned_model(atlas, device=args.device))

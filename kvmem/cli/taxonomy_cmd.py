@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from kvmem.atlas_origin import load_scanned_model
 from kvmem.devices import device_help
 from kvmem.errors import KvmemError
 from kvmem.loading import load_model
-from kvmem.scanned import load_scanned_model
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:

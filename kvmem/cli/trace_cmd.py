@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvmem.cli.output import print_table
+from kvmem.cli.printing import print_table
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.devices import device_help
 from kvmem.errors import KvmemError

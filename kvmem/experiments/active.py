@@ -16,16 +16,11 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import (
-    as_atlas,
-    check_fingerprint,
-    check_positive,
-    check_seed,
-    finish_percent_axes,
-    provenance,
-    resolve_corpus,
-)
+from kvmem.experiments.argument_checks import check_positive, check_seed
+from kvmem.experiments.atlas_inputs import as_atlas, check_fingerprint, resolve_corpus
 from kvmem.experiments.forward import Sampled, read_positions, sample_positions, scan_plan
+from kvmem.experiments.percent_axes import finish_percent_axes
+from kvmem.experiments.result_provenance import provenance
 from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:

@@ -16,14 +16,10 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import (
-    as_atlas,
-    check_fingerprint,
-    check_positive,
-    provenance,
-    resolve_corpus,
-)
+from kvmem.experiments.argument_checks import check_positive
+from kvmem.experiments.atlas_inputs import as_atlas, check_fingerprint, resolve_corpus
 from kvmem.experiments.forward import corpus_windows, scan_plan
+from kvmem.experiments.result_provenance import provenance
 from kvmem.experiments.stats import bootstrap_ci
 
 if TYPE_CHECKING:

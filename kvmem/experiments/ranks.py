@@ -2,7 +2,7 @@
 
 For each neuron and each of its kept triggers (pooled, as the released code does: one rank per
 trigger example), the next token's score under the memory (+v for the top triggers; -v for the
-bottom triggers of a signed slot, see :func:`~kvmem.experiments.common.memory_sides`) is compared
+bottom triggers of a signed slot, see :func:`~kvmem.experiments.signed_memories.memory_sides`) is compared
 with every vocabulary score: rank = 1 + number of tokens scored strictly higher (1 = the memory's
 top token). The pooled rank and the top-1 trigger's rank are both summarised, under every
 convention asked for (``raw`` is Geva et al.'s). A rank is a count of the scores above the token's,
@@ -26,21 +26,11 @@ import pandas as pd
 
 from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import (
-    SIDES,
-    as_atlas,
-    atlas_layers,
-    check_fingerprint,
-    check_positive,
-    check_seed,
-    conventions_for,
-    memory_sides,
-    provenance,
-    read_columns,
-    single_cycle,
-    trigger_kind,
-)
-from kvmem.experiments.stats import bootstrap_ci, sign_test, wilcoxon_signed_rank
+from kvmem.experiments.argument_checks import check_positive, check_seed, conventions_for
+from kvmem.experiments.atlas_inputs import as_atlas, atlas_layers, check_fingerprint, read_columns
+from kvmem.experiments.result_provenance import provenance
+from kvmem.experiments.signed_memories import SIDES, memory_sides, trigger_kind
+from kvmem.experiments.stats import bootstrap_ci, sign_test, single_cycle, wilcoxon_signed_rank
 
 if TYPE_CHECKING:
     from torch import Tensor

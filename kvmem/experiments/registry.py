@@ -41,7 +41,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
                "coefficient change when the first, last or a random prefix token is removed (sec. 3.2)"),
     Experiment("active-memories", "active", "active_memories", "plot_active_memories", True,
                "fraction of memories active at random positions (sec. 5.1)"),
-    Experiment("layer-vs-memories", "composition", "layer_vs_memories", "plot_layer_vs_memories", True,
+    Experiment("layer-vs-memories", "layer_prediction", "layer_vs_memories", "plot_layer_vs_memories", True,
                "the layer's prediction against every memory's (sec. 5), as released, and variants"),
     Experiment("lm-quality", "quality", "lm_quality", None, True,
                "perplexity and next-token accuracy of the model on the scanned text, per BOS choice"),
@@ -50,4 +50,5 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
 )}
 
 # modules with public helpers but no experiment of their own
-SUPPORT_MODULES = ("common", "stats", "forward", "results", "registry")
+SUPPORT_MODULES = ("argument_checks", "signed_memories", "atlas_inputs", "result_provenance", "percent_axes", "stats", "forward",
+                   "results", "registry")

@@ -11,7 +11,7 @@ The unmodified recomputation reproduces the atlas's stored activation (``origina
 the summary reports the largest difference. Removing the last token needs no extra forward: in a
 causal model the prefix without its last token is read at the previous position of the original.
 
-Signed (gated) FFNs are read as two memories per neuron (:func:`~kvmem.experiments.common.memory_sides`):
+Signed (gated) FFNs are read as two memories per neuron (:func:`~kvmem.experiments.signed_memories.memory_sides`):
 the negative side samples bottom triggers, and its changes are signed so that a negative change
 always means a weaker memory: change = sign · (modified - original) / |original|. Every per-layer
 mean has a bootstrap interval over the sampled prefixes.
@@ -26,21 +26,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from kvmem.atlas_origin import scanned_corpus
 from kvmem.errors import KvmemError
-from kvmem.experiments.common import (
-    as_atlas,
-    atlas_layers,
-    check_fingerprint,
-    check_positive,
-    check_seed,
-    memory_sides,
-    provenance,
-    read_columns,
-    trigger_kind,
-)
+from kvmem.experiments.argument_checks import check_positive, check_seed
+from kvmem.experiments.atlas_inputs import as_atlas, atlas_layers, check_fingerprint, read_columns
 from kvmem.experiments.forward import read_positions, scan_plan
+from kvmem.experiments.result_provenance import provenance
+from kvmem.experiments.signed_memories import memory_sides, trigger_kind
 from kvmem.experiments.stats import bootstrap_ci
-from kvmem.scanned import scanned_corpus
 
 if TYPE_CHECKING:
     from kvmem.atlas import Atlas

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from kvmem.experiments.common import as_atlas, conventions_for, model_for_atlas
+from kvmem.experiments.argument_checks import conventions_for
+from kvmem.experiments.atlas_inputs import as_atlas, model_for_atlas
 from kvmem.experiments.results import save_results
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""Statistics for the experiments, in numpy alone: exact permutation null, bootstrap intervals, paired tests.
+"""Statistics for the experiments, in numpy alone: exact permutation null, single-cycle shuffles, bootstrap intervals,
+paired tests.
 
 All functions are pure (arrays in, numbers out) and pinned by tests on hand-built cases whose answers
 are known exactly (a layer small enough to enumerate every permutation, differences whose Wilcoxon
@@ -23,6 +24,7 @@ __all__ = [
     "exact_permutation_null",
     "exact_permutation_null_of_pairs",
     "sign_test",
+    "single_cycle",
     "wilcoxon_signed_rank",
 ]
 
@@ -188,3 +190,11 @@ def sign_test(x: Sequence[float], y: Sequence[float] | None = None) -> dict[str,
         return {"n": 0, "positive": 0, "p_value": float("nan")}
     tail = sum(math.comb(n, k) for k in range(min(positive, n - positive) + 1))
     return {"n": n, "positive": positive, "p_value": float(min(Fraction(1), Fraction(2 * tail, 2 ** n)))}
+
+
+def single_cycle(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A random permutation sigma of range(n) with a single cycle, so sigma[i] != i for every i when n > 1."""
+    order = rng.permutation(n)
+    sigma = np.empty(n, np.int64)
+    sigma[order] = np.roll(order, -1)
+    return sigma

@@ -5,7 +5,7 @@ scores under a projection convention) is compared with the next token of the neu
 and with the next tokens of any of its top-k triggers. Signed (gated) FFNs are read as two memories
 per neuron: the top triggers with +v (the value's top token) and the bottom triggers with -v (the
 value's bottom token, its most suppressed); ReLU/GELU models keep the paper's positive side
-(:func:`~kvmem.experiments.common.memory_sides`). Each side is reported apart, under every
+(:func:`~kvmem.experiments.signed_memories.memory_sides`). Each side is reported apart, under every
 convention asked for (``raw`` is Geva et al.'s: the output embedding, no final norm).
 
 Null: the exact expectation of agreement when the layer's values are permuted uniformly among its
@@ -28,7 +28,10 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.experiments import common
+from kvmem.experiments.argument_checks import check_positive, check_seed, conventions_for
+from kvmem.experiments.atlas_inputs import as_atlas, atlas_layers, check_fingerprint, read_columns, value_top_tokens
+from kvmem.experiments.result_provenance import provenance
+from kvmem.experiments.signed_memories import memory_sides, trigger_kind
 from kvmem.experiments.stats import bootstrap_ci, exact_permutation_null_of_pairs
 
 if TYPE_CHECKING:
@@ -65,8 +68,8 @@ def agreement_from_frames(triggers: pd.DataFrame, value_tops: pd.DataFrame, *, v
     memory's top token. ``seed``: the bootstrap's. Returns one row per layer, the columns of
     :data:`AGREEMENT_COLUMNS` from ``layer`` on (one agree/ci/null/chance group per k).
     """
-    common.check_seed(seed)
-    common.check_positive("n_boot", n_boot)
+    check_seed(seed)
+    check_positive("n_boot", n_boot)
     ks = sorted({int(k) for k in top_triggers})
     if not ks or ks[0] < 1:
         raise KvmemError(f"top_triggers must be integers >= 1, got {list(top_triggers)}")
@@ -136,16 +139,16 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
     (top-k positions) or ``top_doc`` (one per document, Geva et al.'s choice; needs a per-document atlas).
     ``n_boot``/``seed``: the bootstrap. Columns :data:`AGREEMENT_COLUMNS`; provenance in ``frame.attrs``.
     """
-    atlas = common.as_atlas(atlas)
+    atlas = as_atlas(atlas)
     if kind not in ("top", "top_doc"):
         raise KvmemError(f"kind must be 'top' or 'top_doc', got {kind!r}")
     if kind == "top_doc" and not atlas.manifest.scan.get("per_document"):
         raise KvmemError(f"atlas {atlas.path} has no per-document triggers; use kind='top' or rescan with --per-document")
-    conventions = common.conventions_for(convention if convention is not None or model is not None else
+    conventions = conventions_for(convention if convention is not None or model is not None else
                                   [c for c in ("raw", "final_norm") if c in atlas.conventions],
                                   None if model is not None else atlas)
     gated = bool(atlas.manifest.model.get("gated"))
-    chosen_sides = common.memory_sides(gated, sides)
+    chosen_sides = memory_sides(gated, sides)
     top_k = int(atlas.manifest.scan["top_k"])
     if top_triggers is None:
         ks = sorted({min(k, top_k) for k in DEFAULT_TOP_TRIGGERS})
@@ -153,19 +156,19 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
         ks = sorted({int(k) for k in top_triggers})
         if not ks or ks[0] < 1 or ks[-1] > top_k:
             raise KvmemError(f"top_triggers must lie in 1..{top_k} (the atlas keeps {top_k} triggers per neuron), got {ks}")
-    chosen = common.atlas_layers(atlas, layers)
-    common.check_seed(seed)
-    match = common.check_fingerprint(atlas, model) if model is not None else None
+    chosen = atlas_layers(atlas, layers)
+    check_seed(seed)
+    match = check_fingerprint(atlas, model) if model is not None else None
     vocab_size = int(atlas.manifest.model["vocab_size"])
     parts = []
     for side in chosen_sides:
-        triggers = common.read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
-                                [("kind", "=", common.trigger_kind(side, kind)), ("next_token_id", ">=", 0),
+        triggers = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
+                                [("kind", "=", trigger_kind(side, kind)), ("next_token_id", ">=", 0),
                                  ("layer", "in", chosen)])
         for name in conventions:
             tops = []
             for layer in chosen:
-                top = common.value_top_tokens(model, layer, name, atlas=atlas)[0 if side == "positive" else 1]
+                top = value_top_tokens(model, layer, name, atlas=atlas)[0 if side == "positive" else 1]
                 tops.append(pd.DataFrame({"layer": layer, "neuron": np.arange(len(top)), "token_id": top}))
             frame = agreement_from_frames(triggers, pd.concat(tops, ignore_index=True), vocab_size=vocab_size,
                                           top_triggers=ks, n_boot=n_boot, seed=seed)
@@ -173,7 +176,7 @@ def agreement(atlas: Atlas | str | os.PathLike, *, model: Model | None = None,
             frame.insert(0, "convention", name)
             parts.append(frame)
     frame = pd.concat(parts, ignore_index=True)
-    frame.attrs = common.provenance("agreement", model=model, atlas=atlas, convention=conventions[0], settings={
+    frame.attrs = provenance("agreement", model=model, atlas=atlas, convention=conventions[0], settings={
         "conventions": conventions, "sides": list(chosen_sides), "top_triggers": ks, "kind": kind, "layers": chosen,
         "n_boot": n_boot, "seed": seed, "gated": gated,
         "null": "exact expectation under a uniform permutation of the layer's values among its neurons",

@@ -253,7 +253,7 @@ def create_app(holder: Holder, live: LiveModel, *, allowed_hosts: list[str] | No
     def report(request: Request) -> Response:
         from kvmem.report.figures import neuron_figures
         from kvmem.report.html import render_neuron
-        from kvmem.report.record import neuron_data
+        from kvmem.report.neuron_dict import neuron_data
 
         snapshot, _ = explorer.current()
         layer, neuron = request.path_params["layer"], request.path_params["neuron"]

@@ -2,8 +2,8 @@
 
 The server answers atlas pages at once; the model loads beside it (:meth:`LiveModel.start`) and the
 pages that need it say "loading" until it is ready. Without ``--model`` the model the manifest names is
-loaded (:func:`kvmem.scanned.load_scanned_model`, refused when its fingerprint differs); a model named
-with ``--model`` is checked the same way (:func:`kvmem.scanned.check_model`) and, when it differs, used
+loaded (:func:`kvmem.atlas_origin.load_scanned_model`, refused when its fingerprint differs); a model named
+with ``--model`` is checked the same way (:func:`kvmem.atlas_origin.check_model`) and, when it differs, used
 with a warning on every page that shows its numbers.
 
 Traces and generations run under one lock: edits add hooks for the length of a request
@@ -71,8 +71,8 @@ class LiveModel:
         return self.state
 
     def _load(self) -> None:
+        from kvmem.atlas_origin import load_scanned_model
         from kvmem.loading import load_model
-        from kvmem.scanned import load_scanned_model
 
         start = time.perf_counter()
         try:
@@ -86,7 +86,7 @@ class LiveModel:
         self._accept(model, start)
 
     def _accept(self, model: Model, start: float) -> None:
-        from kvmem.scanned import check_model
+        from kvmem.atlas_origin import check_model
 
         try:
             check_model(self.manifest, model)

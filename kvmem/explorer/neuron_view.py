@@ -1,6 +1,6 @@
 """One neuron as the explorer shows it: the ``kvmem.neuron/1`` record plus what the page adds.
 
-The record (:func:`kvmem.report.record.neuron_data`) is the same data the JSON report holds: statistics,
+The record (:func:`kvmem.report.neuron_dict.neuron_data`) is the same data the JSON report holds: statistics,
 histogram, triggers with their context coefficients, value and key projections, agreement, quantile
 samples, taxonomy row and explanations. The page adds the random samples, the gate/up sign quadrants of
 a gated neuron (the scan's counts and each trigger's own quadrant), the robust shading scale
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from kvmem.report.record import neuron_data
+from kvmem.report.neuron_dict import neuron_data
 from kvmem.shading import Scale, cells, robust_scale
 
 __all__ = ["SCHEMA", "neuron_view", "neuron_record", "context_cells", "QUADRANTS"]

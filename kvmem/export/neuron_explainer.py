@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from kvmem import __version__
+from kvmem.atlas_origin import check_model, load_scanned_model
 from kvmem.errors import KvmemError
 from kvmem.records import activation_records
-from kvmem.scanned import check_model, load_scanned_model
 
 __all__ = ["write", "LEVELS", "moments", "band_boundaries"]
 

@@ -13,7 +13,7 @@ from kvmem.atomic import staged_directory
 from kvmem.errors import KvmemError
 from kvmem.report.formats import FORMATS, ReportFormat, get_format
 from kvmem.report.index import index_row
-from kvmem.report.record import neuron_data
+from kvmem.report.neuron_dict import neuron_data
 from kvmem.report.text import write_text
 
 __all__ = ["RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
@@ -48,7 +48,7 @@ def export_neuron(atlas, layer: int, neuron: int, *, format: str = "html", out: 
     ``atlas``: an :class:`~kvmem.atlas.Atlas` or its directory.
     ``format``: a name in :data:`~kvmem.report.formats.FORMATS`: ``html`` (one self-contained file),
     ``md`` (Markdown + PNG files in ``L{l}_N{n}_files/``) or ``json`` (schema ``kvmem.neuron/1``, see
-    :mod:`kvmem.report.record`). An existing report of the same neuron and format in ``out`` is replaced.
+    :mod:`kvmem.report.neuron_dict`). An existing report of the same neuron and format in ``out`` is replaced.
     """
     report_format = get_format(format)
     atlas = _as_atlas(atlas)

@@ -1,4 +1,4 @@
-"""JSON output: the ``kvmem.neuron/1`` dict (schema in :mod:`kvmem.report.record`) and the ``kvmem.index/1`` index.
+"""JSON output: the ``kvmem.neuron/1`` dict (schema in :mod:`kvmem.report.neuron_dict`) and the ``kvmem.index/1`` index.
 
 Files are UTF-8 with non-ASCII characters kept; strings were cleaned of lone surrogates, and NaN or
 infinity never appear (they are ``null``), so any JSON parser reads them.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvmem.atlas_origin import check_model, load_scanned_model
 from kvmem.errors import KvmemError
 from kvmem.manifest import Manifest
-from kvmem.scanned import check_model, load_scanned_model
 
 __all__ = ["merge"]
 

@@ -28,8 +28,8 @@ from kvmem.errors import KvmemError
 from kvmem.models import Model
 from kvmem.plan import DEFAULT_WINDOW, Batch, TokenPlan, WindowText, iterate_batches
 from kvmem.scanning import distributed
-from kvmem.scanning.capture import capture_coefficients, has_gate_up
 from kvmem.scanning.checkpoint import load_state, save_state, saved_plan
+from kvmem.scanning.coefficients import capture_coefficients, has_gate_up
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.prefetch import prefetched_batches
 from kvmem.scanning.progress import Phases

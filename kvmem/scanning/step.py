@@ -25,9 +25,9 @@ from torch import Tensor
 
 from kvmem.errors import KvmemError
 from kvmem.plan import Batch, TokenPlan, pack
-from kvmem.scanning.capture import GATE_UP_SITES
+from kvmem.scanning.coefficients import GATE_UP_SITES
+from kvmem.scanning.ordering import position_keys
 from kvmem.scanning.reads import Pending, Reads, sizes
-from kvmem.scanning.rules import position_keys
 from kvmem.scanning.statistics import LayerState, ScanState
 from kvmem.scanning.statistics.batch import BatchLayout, LayerBatch, Positions, ScanBatch
 

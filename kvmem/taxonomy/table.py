@@ -139,7 +139,7 @@ def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, c
     self-suppression rank reads (default: the atlas's default convention). ``block``: neurons per block of
     the vocabulary-wide statistics.
     """
-    from kvmem.taxonomy.evidence import evidence_columns
+    from kvmem.taxonomy.exact_columns import evidence_columns
     from kvmem.taxonomy.streaming import scan_columns
     from kvmem.taxonomy.weights import VALUE_CONVENTION, value_vectors, weight_statistics
 

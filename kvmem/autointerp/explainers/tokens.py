@@ -1,6 +1,6 @@
 """The ``tokens`` explainer: the best token rule in a small hypothesis space, no model, deterministic.
 
-For each rule kind (:data:`kvmem.autointerp.rules.RULE_KINDS`) it reads the key of every explain-set
+For each rule kind (:data:`kvmem.autointerp.token_rules.RULE_KINDS`) it reads the key of every explain-set
 example at its kept token, counts how often each key occurs among activating (``pos_k``) and
 non-activating (``neg_k``) examples, and keeps the keys whose gain
 ``pos_k / |A| - neg_k / |N|`` is positive, seen at least ``min_support`` times (or the single best
@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvmem.autointerp.explanation import Explanation
-from kvmem.autointerp.rules import RULE_KINDS, Rule, key_at, normalize
+from kvmem.autointerp.token_rules import RULE_KINDS, Rule, key_at, normalize
 from kvmem.autointerp.vectorised import explain_layer
 from kvmem.errors import KvmemError
 

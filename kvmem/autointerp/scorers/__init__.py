@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kvmem.autointerp.scorers import detection, embedding, fuzzing, intervention, output, simulation
+from kvmem.autointerp.scorers import detection, embedding, fuzzing, output, simulation, steering
 from kvmem.autointerp.scorers.base import Query, Score, Task
 from kvmem.errors import KvmemError
 
 __all__ = ["SCORERS", "get_scorers", "Query", "Score", "Task"]
 
-SCORERS: dict[str, ModuleType] = {m.NAME: m for m in (detection, fuzzing, simulation, output, intervention, embedding)}
+SCORERS: dict[str, ModuleType] = {m.NAME: m for m in (detection, fuzzing, simulation, output, steering, embedding)}
 
 
 def get_scorers(names) -> list[ModuleType]:

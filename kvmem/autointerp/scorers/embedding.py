@@ -5,7 +5,7 @@ Delphi's embedding scorer (EleutherAI/delphi, ``scorers/embedding/embedding.py``
 every example and ranks the examples by similarity. Here the examples are detection's (held-out activating
 examples, at most ``per_band`` per band, and the side's own non-activating ones, at most ``max_quiet``,
 default ``MAX_QUIET``), each shown as its whole stored context; the model is a local sentence-transformers
-model (:mod:`kvmem.autointerp.embedding`; the ``--judge`` plays no part). Delphi prefixes the explanation
+model (:mod:`kvmem.autointerp.embedder`; the ``--judge`` plays no part). Delphi prefixes the explanation
 with an instruction for instruction-tuned embedding models; all-MiniLM-L6-v2 is not one, so the
 explanation is embedded as it is. Score: the AUC of the similarity for activating against
 non-activating examples (chance 0.5); p: a one-sided Mann-Whitney test; the bootstrap resamples examples.

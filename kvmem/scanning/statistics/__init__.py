@@ -1,7 +1,7 @@
 """What a scan accumulates, one module per statistic, composed through one registry.
 
-Each module defines a :class:`~kvmem.scanning.statistics.base.Statistic`: its state, its update from one
-batch, its exact merge, its serialisation and what it writes (see :mod:`kvmem.scanning.statistics.base`),
+Each module defines a :class:`~kvmem.scanning.statistics.statistic.Statistic`: its state, its update from one
+batch, its exact merge, its serialisation and what it writes (see :mod:`kvmem.scanning.statistics.statistic`),
 in one torch implementation that runs on any device. :func:`compose` builds the statistics a
 :class:`~kvmem.scanning.config.ScanConfig` asks for: the core ones always, the others when their
 setting is on (``per_document``, samples, ``taxonomy_sums``) or when named in ``statistics``.
@@ -11,14 +11,14 @@ Adding a statistic: one module here, one line in :data:`STATISTICS`, and its tes
 
 from __future__ import annotations
 
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
-from kvmem.scanning.statistics.composition import GATE_UP_EXTRAS, Composition, LayerState, ScanState
 from kvmem.scanning.statistics.document_bests import DocumentBests
 from kvmem.scanning.statistics.extremes import Extremes
 from kvmem.scanning.statistics.histograms import Histograms
 from kvmem.scanning.statistics.magnitude_percentiles import MagnitudePercentiles
 from kvmem.scanning.statistics.moments import Moments
 from kvmem.scanning.statistics.samples import Samples
+from kvmem.scanning.statistics.scan_state import GATE_UP_EXTRAS, Composition, LayerState, ScanState
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 from kvmem.scanning.statistics.taxonomy_sums import QUADRANTS, TaxonomySums
 from kvmem.scanning.statistics.unigrams import Unigrams
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvmem.scanning.ordering import EMPTY
 from kvmem.scanning.reads import Reads
-from kvmem.scanning.rules import EMPTY
 
 __all__ = ["ContextFn", "Documents", "Positions", "BatchLayout", "LayerBatch", "ScanBatch", "to_device"]
 

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvmem.scanning.ordering import EMPTY
 from kvmem.scanning.reads import Pending, run_rounds, sizes
-from kvmem.scanning.rules import EMPTY
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import ContextFn, Documents, LayerBatch
 from kvmem.scanning.statistics.sides import (
     Side,
@@ -25,6 +24,7 @@ from kvmem.scanning.statistics.sides import (
     side_from_tensors,
     side_tensors,
 )
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 
 __all__ = ["DocumentBests", "DocumentBestsState"]
 

@@ -11,7 +11,6 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import LayerBatch
 from kvmem.scanning.statistics.sides import (
     Side,
@@ -22,6 +21,7 @@ from kvmem.scanning.statistics.sides import (
     stream_side,
     trigger_part,
 )
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 
 __all__ = ["Extremes", "ExtremesState"]
 

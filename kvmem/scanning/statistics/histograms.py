@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from kvmem.scanning.histogram import HIST_BINS, histogram_fold
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import LayerBatch
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 from kvmem.scanning.statistics.sums import scratch
 
 __all__ = ["Histograms", "HistogramState"]

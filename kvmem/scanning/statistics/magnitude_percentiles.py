@@ -18,8 +18,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import LayerBatch
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 from kvmem.scanning.statistics.sums import scratch
 
 __all__ = ["MagnitudePercentiles", "LEVELS", "BINS", "bin_edges"]

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import LayerBatch
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 from kvmem.scanning.statistics.sums import add_double_double, add_into, column_sum, scratch, zeros_double_double
 
 __all__ = ["Moments", "MomentsState"]

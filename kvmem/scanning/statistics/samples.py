@@ -2,7 +2,7 @@
 its context), and per neuron and histogram bin a sample of the positions that fell in it (quantile
 samples); the samples table.
 
-Both are bottom-k-by-key samples: a position's key is a hash of its code (:func:`kvmem.scanning.rules.
+Both are bottom-k-by-key samples: a position's key is a hash of its code (:func:`kvmem.scanning.ordering.
 position_keys`), and a sample keeps the smallest keys, so the union's smallest keys are the stream's
 (an exact merge, whatever the order the positions came in). The bin samples draw only from the positions
 whose key is below ``sample_rate`` of the key range (bounding their per-token cost).
@@ -19,11 +19,11 @@ import torch
 from torch import Tensor
 
 from kvmem.scanning.histogram import HIST_BINS, bin_of
+from kvmem.scanning.ordering import KEY_BITS, NO_KEY, keys_or_none, order_by_key
 from kvmem.scanning.reads import Pending, sizes
-from kvmem.scanning.rules import KEY_BITS, NO_KEY, keys_or_none, order_by_key
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import ContextFn, LayerBatch
 from kvmem.scanning.statistics.sides import doc_pos, list_column, nonzero, nonzero_static
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 
 __all__ = ["Samples", "SamplesState", "RandomSample", "BinSample"]
 

@@ -5,7 +5,7 @@ one way entries get in (the candidate search, the sorted insertion, the exact me
 (:func:`trigger_part`).
 
 Positions are int64 codes (``kvmem.plan.pack``: doc << 32 | pos); EMPTY (-1) marks an empty entry.
-Entries are ordered under the tie rule of :mod:`kvmem.scanning.rules` (most extreme first, then the
+Entries are ordered under the tie rule of :mod:`kvmem.scanning.ordering` (most extreme first, then the
 lowest code).
 
 **Reads of the device.** The steps whose output size is data (the candidates entering a side) are
@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from kvmem.plan import unpack
+from kvmem.scanning.ordering import BLOCK_ROWS, EMPTY, order_by_value
 from kvmem.scanning.reads import Pending, sizes
-from kvmem.scanning.rules import BLOCK_ROWS, EMPTY, order_by_value
 from kvmem.scanning.statistics.batch import ContextFn
 from kvmem.schema import TRIGGER_KINDS
 
@@ -125,7 +125,7 @@ def _pool_with_room(rows: int, width: int, device) -> Tensor:
 
 
 def merge_sides(a: Side, b: Side) -> Side:
-    """The k first of both sides' entries under the tie rule (:func:`kvmem.scanning.rules.order_by_value`)."""
+    """The k first of both sides' entries under the tie rule (:func:`kvmem.scanning.ordering.order_by_value`)."""
     k = a.values.shape[0]
     values, codes = torch.cat([a.values, b.values]), torch.cat([a.codes, b.codes])
     context = torch.cat([a.context, b.context])

@@ -9,8 +9,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
 from kvmem.scanning.statistics.batch import ScanBatch
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 
 __all__ = ["Unigrams"]
 

@@ -32,17 +32,12 @@ import pandas as pd
 
 from kvmem.errors import KvmemError
 from kvmem.experiments.active import DEFAULT_ABS_THRESHOLD, sample_for
-from kvmem.experiments.common import (
-    as_atlas,
-    check_convention,
-    check_fingerprint,
-    check_positive,
-    finish_percent_axes,
-    memory_sides,
-    provenance,
-    value_top_tokens,
-)
+from kvmem.experiments.argument_checks import check_convention, check_positive
+from kvmem.experiments.atlas_inputs import as_atlas, check_fingerprint, value_top_tokens
 from kvmem.experiments.forward import read_positions
+from kvmem.experiments.percent_axes import finish_percent_axes
+from kvmem.experiments.result_provenance import provenance
+from kvmem.experiments.signed_memories import memory_sides
 from kvmem.experiments.stats import bootstrap_ci
 from kvmem.tracing import project
 

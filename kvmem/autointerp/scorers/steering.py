@@ -1,4 +1,5 @@
-"""Intervention: switch the memory on, generate, and ask whether the change follows the explanation.
+"""The ``intervention`` scorer, by steering: switch the memory on, generate, and ask whether the change follows
+the explanation.
 
 Delphi's intervention scoring (Paulo et al. 2024, arXiv 2410.13928) judges an explanation by the effect
 of steering a latent on what the model writes. Here, for each of ``PROMPTS`` held-out contexts of the
@@ -19,7 +20,7 @@ from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Sco
 from kvmem.autointerp.scorers.nulls import sign_test_p
 from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, group_sums, paired_bootstrap
 from kvmem.autointerp.splits import splitmix64
-from kvmem.experiments.common import SIDES
+from kvmem.experiments.signed_memories import SIDES
 
 __all__ = ["build", "evaluate", "paired", "NAME", "ANSWER", "ASPECT", "NEEDS", "PROMPTS", "NEW_TOKENS"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from kvmem.plan import StreamPosition, distinct_codes, pack, unpack
-from kvmem.scanning.statistics.base import LayerSpec, Statistic
+from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 from kvmem.scanning.texts import TextStore
 
 __all__ = ["Composition", "LayerState", "ScanState", "GATE_UP_EXTRAS"]

@@ -16,7 +16,7 @@ runs on any device:
 The scan composes the statistics its :class:`~kvmem.scanning.config.ScanConfig` asks for
 (:func:`kvmem.scanning.statistics.compose`). A statistic reads the config it was built with; it
 never reads another statistic's state, except where the layer's tables gather every statistic's
-kept sides (:class:`~kvmem.scanning.statistics.composition.LayerState`).
+kept sides (:class:`~kvmem.scanning.statistics.scan_state.LayerState`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Statistic:
 
     def layer_part(self, table: str, layer: int, state: Any, layer_state) -> pa.Table | None:
         """The rows of ``table`` (one of :attr:`layer_tables`) of one layer; ``layer_state``: every
-        statistic's state of that layer (:class:`~kvmem.scanning.statistics.composition.LayerState`)."""
+        statistic's state of that layer (:class:`~kvmem.scanning.statistics.scan_state.LayerState`)."""
         raise NotImplementedError
 
     def scan_tables(self, state: Any) -> dict[str, pa.Table]:
