@@ -6,6 +6,8 @@ refused."""
 
 from __future__ import annotations
 
+import shutil
+
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -65,24 +67,41 @@ def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair):
     assert record.promoted() == eager.neuron(1, 7).promoted() and record.promoted()
 
 
-def test_whole_table_queries_say_how_to_make_the_tables_and_project_writes_the_eager_bytes(pair, tmp_path):
+def test_whole_table_queries_read_the_models_tables_or_say_how_and_project_writes_the_eager_bytes(pair, tmp_path):
+    """A lazily scanned atlas answers queries over every neuron's value from the scanned model's tables (the
+    per-model projection cache), equal to an eager scan's; where the model cannot load it says in one line how
+    to write them; ``kvmem project`` writes the eager bytes."""
+    import json
+
+    import pandas as pd
+
     model, eager, lazy = pair
     copy = tmp_path / "atlas"
     main(["scan", "--model", str(model.source), "--corpus", str(_corpus(tmp_path)), "--out", str(copy),
           "--top-k", "3", "--window", "8", "--top-n", "6", "--batch-size", "3", "--quiet"])
+    token = int(eager.values(1, 7).token_id.iloc[0])
     atlas = kvmem.open(copy)
-    with pytest.raises(kvmem.KvmemError, match=rf"holds no values table .*kvmem project --atlas {copy}") as error:
-        atlas.top_neurons(token=7, by="value")
+    assert not atlas.has_projections
+    pd.testing.assert_frame_equal(atlas.top_neurons(token=token, by="value"), eager.top_neurons(token=token, by="value"))
+    pd.testing.assert_frame_equal(atlas.table("keys"), eager.table("keys"))
+    assert not atlas.has_projections  # read from the cache; the atlas directory is left as it was
+
+    orphan = tmp_path / "orphan"  # the same atlas, its model gone
+    shutil.copytree(copy, orphan)
+    manifest = json.loads((orphan / "manifest.json").read_text())
+    manifest["model"]["name"] = str(tmp_path / "no-such-model")
+    (orphan / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(kvmem.KvmemError, match=rf"holds no values table .*kvmem project --atlas {orphan}") as error:
+        kvmem.open(orphan).top_neurons(token=token, by="value")
     assert "\n" not in str(error.value)
-    with pytest.raises(kvmem.KvmemError, match="kvmem project --atlas"):
-        atlas.table("keys")
+
     assert main(["project", "--atlas", str(copy), "--quiet"]) == 0
     for table in ("values", "keys"):
         written = (copy / f"{table}.parquet").read_bytes()
         assert written == (eager.path / f"{table}.parquet").read_bytes(), table
     reopened = kvmem.open(copy)
     assert reopened.has_projections and reopened.manifest.projection["method"] == "torch-screen"
-    assert reopened.top_neurons(token=int(eager.values(1, 7).token_id.iloc[0]), by="value").shape[0] >= 1
+    assert reopened.top_neurons(token=token, by="value").shape[0] >= 1
     assert main(["project", "--atlas", str(copy), "--quiet"]) == 0  # nothing to do the second time
 
 
