@@ -205,13 +205,9 @@ class Atlas:
         return rows if neuron is None else rows.filter(pc.equal(rows.column("neuron"), neuron))
 
     # ---- texts: one row per position in contexts, joined to triggers and samples by (doc, pos) ----
-    def _legacy_texts(self, table: str) -> bool:
-        """Format 1-2: the text is in every trigger row, and the samples' in ``sample_contexts``."""
-        return table == "triggers" and "context" in self._file("triggers").schema_arrow.names
-
     def _contexts(self, table: str) -> tuple[np.ndarray, pa.Table]:
         """(sorted codes doc << 32 | pos, the contexts table in that order), read once."""
-        name = "sample_contexts" if table == "samples" and not (self.path / "contexts.parquet").exists() else "contexts"
+        name = "contexts"
         key = f"_contexts:{name}"
         if key not in self._cache:
             try:
@@ -248,7 +244,7 @@ class Atlas:
         key = f"{table}:{columns}"
         if key not in self._cache:
             stored = self._file(table).schema_arrow.names
-            joined = table in ("triggers", "samples") and not self._legacy_texts(table)
+            joined = table in ("triggers", "samples")
             read = columns
             if joined and columns is not None:
                 read = [name for name in columns if name in stored]
@@ -510,8 +506,7 @@ class Atlas:
 
     def _vocabulary(self) -> dict[str, int]:
         if "_vocab" not in self._cache:
-            frames = [self._table("triggers", ["token_id", "token"]) if self._legacy_texts("triggers")
-                      else self._contexts("triggers")[1].select(["token_id", "token"]).to_pandas()]
+            frames = [self._contexts("triggers")[1].select(["token_id", "token"]).to_pandas()]
             try:  # the vocabulary the values table names (the model's cached tables where the atlas holds none)
                 frames.insert(0, self._table("values", ["token_id", "token"]))
             except KvmemError:  # no model here: the tokens the triggers name
@@ -529,11 +524,6 @@ class Atlas:
         columns = ["layer", "neuron", "kind", "rank", "activation", "doc_id", "pos", "token", "context"]
         if layer is not None:
             self.check(layer)
-        if self._legacy_texts("triggers"):
-            frame = self._table("triggers", columns)
-            frame = frame[(frame.kind == kind) & (True if layer is None else frame.layer == layer)]
-            hits = frame[frame.context.map(lambda text: regex.search(text) is not None)]
-            return hits.head(limit).reset_index(drop=True)
         # the regular expression runs once per distinct context, not once per trigger row
         codes, contexts = self._contexts("triggers")
         matches = np.fromiter((regex.search(text) is not None for text in contexts.column("context").to_pylist()),

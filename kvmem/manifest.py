@@ -82,18 +82,16 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict, *, where: str = "manifest") -> Manifest:
-        """Validate and build; a format 1 manifest is upgraded (tokenization gains its batching fields)."""
+        """Validate and build (the formats of :data:`READABLE_VERSIONS` only)."""
         if not isinstance(data, dict):
             raise KvmemError(f"{where} is not a JSON object; scan again")
         version = data.get("format_version")
         if version not in READABLE_VERSIONS:
-            raise KvmemError(f"{where} has atlas format {version}, this kvmem reads formats "
+            raise KvmemError(f"{where} has atlas format {version}, this kvmem reads format "
                              f"{', '.join(map(str, READABLE_VERSIONS))}; rescan it with this kvmem version "
                              f"(kvmem scan with the settings in its manifest.json)")
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {k: v for k, v in data.items() if k in known}
-        if version == 1:
-            values = _upgrade_1(values)
         required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
         missing = [name for name in required if name not in values]
         if missing:
@@ -111,18 +109,3 @@ class Manifest:
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-
-def _upgrade_1(values: dict) -> dict:
-    """Format 1 -> 2 in memory: the batching fields of the plan and the timing layout."""
-    scan = values.get("scan", {})
-    tokenization = {**values.get("tokenization", {})}
-    tokenization.setdefault("batch_size", scan.get("batch_size", 8))
-    tokenization.setdefault("max_tokens", scan.get("max_tokens"))
-    tokenization.setdefault("block_documents", 1)  # format 1 had no blocks; shards were documents
-    tokenization.setdefault("shard", scan.get("shard", [0, 1]))
-    timing = values.get("timing", {})
-    values = {**values, "tokenization": tokenization,
-              "timing": {"phases": {"stream": timing.get("scan_seconds")}, "total_seconds": timing.get("scan_seconds"),
-                         "shard": scan.get("shard", [0, 1]), "upgraded_from_format": 1}}
-    return values

@@ -102,26 +102,19 @@ def test_search_and_token_queries_read_the_joined_text(gpt2_model, atlas):
     assert atlas.token_id(word) == gpt2_model.encode(word)[0] or len(gpt2_model.encode(word)) != 1
 
 
-def test_a_format_2_atlas_still_reads(gpt2_model, atlas, tmp_path):
-    """Format 2 kept the text in every trigger row and a sample_contexts table: rewrite this atlas so."""
+def test_an_atlas_of_an_unreleased_format_is_refused_in_one_line(atlas, tmp_path):
+    """Formats 1-3 were never released: kvmem reads format 4 only and says how to get one."""
     import json
     import shutil
 
-    import pyarrow as pa
-
-    from kvmem.scanning.parquet import write_parquet
-
-    old = tmp_path / "old"
-    shutil.copytree(atlas.path, old)
-    full = atlas.table("triggers")
-    write_parquet(old / "triggers.parquet", pa.Table.from_pandas(full, preserve_index=False))
-    (old / "contexts.parquet").rename(old / "sample_contexts.parquet")
-    manifest = json.loads((old / "manifest.json").read_text())
-    (old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
-    reopened = kvmem.open(old)
-    assert reopened.triggers(1, 7).equals(atlas.triggers(1, 7))
-    assert reopened.samples(1, 3).equals(atlas.samples(1, 3))
-    assert reopened.search("the", limit=5).equals(atlas.search("the", limit=5))
+    for version in (1, 2, 3):
+        old = tmp_path / f"format-{version}"
+        shutil.copytree(atlas.path, old)
+        manifest = json.loads((old / "manifest.json").read_text())
+        (old / "manifest.json").write_text(json.dumps({**manifest, "format_version": version}))
+        with pytest.raises(kvmem.KvmemError, match=rf"has atlas format {version}, this kvmem reads format 4; rescan") as error:
+            kvmem.open(old)
+        assert "\n" not in str(error.value)
 
 
 def test_contexts_cut_from_shared_window_pieces_equal_pieces_cut_alone():

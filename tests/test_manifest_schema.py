@@ -28,22 +28,6 @@ def test_manifest_round_trip_and_typed_views(small_atlas, tmp_path):
     assert Manifest.read(tmp_path / "m.json") == manifest
 
 
-def test_format_1_manifest_opens_upgraded(small_atlas, tmp_path):
-    import shutil
-
-    old = tmp_path / "old"
-    shutil.copytree(small_atlas.path, old)
-    data = json.loads((old / "manifest.json").read_text())
-    data["format_version"] = 1
-    data["tokenization"] = {k: data["tokenization"][k] for k in ("window", "prepend_bos", "bos_token_id", "rule")}
-    data["timing"] = {"scan_seconds": 1.5, "tokens_per_second": 10.0}
-    data["shards"] = [{"index": 0, "count": 1}]
-    (old / "manifest.json").write_text(json.dumps(data))
-    atlas = kvmem.open(old)
-    assert atlas.manifest.plan.window == 8 and atlas.manifest.plan.batch_size == small_atlas.manifest.scan["batch_size"]
-    assert atlas.manifest.timing["upgraded_from_format"] == 1 and len(atlas.triggers(0, 0)) > 0
-
-
 def test_bad_manifests_get_one_line(small_atlas, tmp_path):
     import shutil
 
@@ -51,7 +35,7 @@ def test_bad_manifests_get_one_line(small_atlas, tmp_path):
     shutil.copytree(small_atlas.path, bad)
     data = json.loads((bad / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**data, "format_version": 9}))
-    with pytest.raises(kvmem.KvmemError, match=r"has atlas format 9, this kvmem reads formats 1, 2, 3, 4; rescan it") as error:
+    with pytest.raises(kvmem.KvmemError, match=r"has atlas format 9, this kvmem reads format 4; rescan it") as error:
         kvmem.open(bad)
     assert "\n" not in str(error.value)
     (bad / "manifest.json").write_text(json.dumps({k: v for k, v in data.items() if k != "layers"}))

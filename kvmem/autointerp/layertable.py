@@ -91,19 +91,18 @@ class Contexts:
 
 def _readable(atlas) -> bool:
     for table, columns in _NEEDS.items():
-        path = atlas.path / f"{table}.parquet"
-        if table == "values" and not path.exists():  # computed on demand (_layer_table)
+        if table == "values" and not atlas.holds(table):  # computed on demand (_layer_table)
             continue
-        if not path.exists() or not set(columns) <= set(pq.ParquetFile(path).schema_arrow.names):
+        if not atlas.holds(table) or not set(columns) <= set(pq.ParquetFile(atlas.table_path(table)).schema_arrow.names):
             return False
-    return not set(_NEEDS["contexts"][2:]) & set(pq.ParquetFile(atlas.path / "triggers.parquet").schema_arrow.names)
+    return not set(_NEEDS["contexts"][2:]) & set(pq.ParquetFile(atlas.table_path("triggers")).schema_arrow.names)
 
 
 def read_contexts(atlas) -> Contexts | None:
     """The atlas's contexts table as :class:`Contexts`; None when the atlas is not of format 3."""
     if not _readable(atlas):
         return None
-    table = pq.read_table(atlas.path / "contexts.parquet", columns=_NEEDS["contexts"])
+    table = pq.read_table(atlas.table_path("contexts"), columns=_NEEDS["contexts"])
     codes = _codes(table)
     order = np.argsort(codes, kind="stable")
     table = table.take(pa.array(order))
@@ -183,9 +182,9 @@ class LayerExamples:
 
 
 def _layer_table(atlas, table: str, layer: int, wanted: np.ndarray) -> pa.Table:
-    if table == "values" and not (atlas.path / "values.parquet").exists():  # computed on demand, in neuron order
+    if table == "values" and not atlas.holds("values"):  # computed on demand, in neuron order
         return atlas.projection_rows(table, layer, wanted.tolist()).select(_NEEDS[table])
-    rows = pq.read_table(atlas.path / f"{table}.parquet", columns=_NEEDS[table], filters=[("layer", "=", layer)])
+    rows = pq.read_table(atlas.table_path(table), columns=_NEEDS[table], filters=[("layer", "=", layer)])
     neuron = np.asarray(rows.column("neuron").to_numpy(), np.int64)
     keep = np.flatnonzero(np.isin(neuron, wanted))
     keep = keep[np.argsort(neuron[keep], kind="stable")]

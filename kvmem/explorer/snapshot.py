@@ -148,7 +148,7 @@ class Snapshot:
         return self.layers.index(layer) * self.d_ff + neuron
 
     def has(self, table: str) -> bool:
-        return (self.path / f"{table}.parquet").exists()
+        return self.atlas.holds(table)
 
     def check_neuron(self, layer: int, neuron: int | None = None) -> None:
         """:class:`NotFound` for a layer or neuron the atlas does not hold, with the atlas's own message."""

@@ -140,7 +140,7 @@ def _explanations(atlas, layer: int, neuron: int, frame=None, population=None) -
 
 
 def _quantiles(atlas, layer: int, neuron: int) -> list[dict]:
-    if not (atlas.path / "samples.parquet").exists():
+    if not atlas.holds("samples"):
         return []
     bands = atlas.quantile_samples(layer, neuron, levels=QUANTILE_LEVELS, per_band=QUANTILE_SAMPLES)
     out = []

@@ -163,8 +163,7 @@ def load_state(directory: Path, header: dict | None, statistics: Composition, *,
     directory = Path(directory)
     meta_path = directory / META
     if not meta_path.exists():
-        legacy = " (an old pickle checkpoint state.pt is never loaded)" if (directory / "state.pt").exists() else ""
-        raise KvmemError(f"nothing to resume: no checkpoint at {directory}{legacy}; scan without --resume")
+        raise KvmemError(f"nothing to resume: no checkpoint at {directory}; scan without --resume")
     try:
         meta = json.loads(meta_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -92,10 +92,6 @@ def unigram_alignment(values: Tensor, w_u: Tensor, seen: np.ndarray, direction: 
 
 def missing_sums(atlas) -> str | None:
     """Why ``atlas`` holds no taxonomy sums (None when it does)."""
-    names = set(atlas.neurons.columns)
-    if "position_act_sum" not in names:
-        return (f"the atlas has format {atlas.manifest.format_version}, from before the taxonomy sums (format 4); "
-                f"scan again to fill these columns")
     if atlas.neurons.position_sum.isna().all():
         return "the atlas was scanned with --no-taxonomy-sums; scan again without it to fill these columns"
     return None
