@@ -107,7 +107,7 @@ def same_output(a: Path, b: Path) -> bool | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--atlas", required=True)
+    parser.add_argument("--atlas", help="the atlas to analyse (required)")
     parser.add_argument("--only", default=None, help="comma-separated analyses (default: all, and the bare forward)")
     parser.add_argument("--no-bare", dest="bare", action="store_false", help="skip the bare forward")
     parser.add_argument("--layers", default=None, help="the experiments' --layers (default: every layer)")
@@ -117,6 +117,8 @@ def main() -> None:
     if args.bare_run:
         bare_main(*args.bare_run)
         return
+    if args.atlas is None:
+        parser.error("the following arguments are required: --atlas")
     names = list(COMMANDS) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(COMMANDS))
     if unknown:
