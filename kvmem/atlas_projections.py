@@ -94,7 +94,7 @@ class OnDemandProjections:
             self.use_model(model)
         if self._projector is None:
             self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
-        return getattr(self._projector.tables(layer, neurons), table)
+        return getattr(self._projector.tables(layer, neurons, only=table), table)
 
 
 def project_atlas(atlas, *, model: Model | None = None, progress: bool = False) -> dict[str, Any]:

@@ -3,6 +3,8 @@ for tests that feed chosen coefficients, codes and documents instead of a model'
 
 from __future__ import annotations
 
+import torch
+
 from kvmem.scanning.config import ScanConfig
 from kvmem.scanning.reads import Reads
 from kvmem.scanning.statistics import compose
@@ -26,6 +28,12 @@ def fold(layer_state, acts, codes, context_fn, *, docs=None, keys=None, ordered:
     layout = (BatchLayout.read(codes, docs, keys, documents=composition.needs_documents,
                                random_size=composition.random_size, bin_limit=composition.bin_limit)
               if acts.shape[0] else None)
+    d_ff = acts.shape[1]
+
+    def row_context(rows):  # [m] -> [m, C, F]: the context of every neuron at those rows
+        m = rows.numel()
+        return context_fn(rows.repeat_interleave(d_ff), torch.arange(d_ff).repeat(m)).view(m, d_ff, -1).transpose(1, 2)
+
     flags: list = []
-    fold_batch(layer_state, LayerBatch(acts.float(), codes, ordered, context_fn, layout, Reads()), flags)
+    fold_batch(layer_state, LayerBatch(acts.float(), codes, ordered, context_fn, row_context, layout, Reads()), flags)
     return flags[0][1] if flags else None

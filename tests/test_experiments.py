@@ -175,6 +175,27 @@ def test_pair_ranks_by_counting_equal_the_ranks_of_a_full_argsort_ties_included(
         assert E.pair_ranks(vectors, basis, slots, tokens, signs=signs, block=block).tolist() == expected
 
 
+def test_pair_ranks_with_nan_signed_zeros_and_infinities_follow_the_counting_definition():
+    """Scores with NaN, -0.0 beside 0.0 and ±inf (d_model 1: each score is one product, scale × special
+    value, so a 0 scale turns ±inf and NaN into NaN and -1.5 into -0.0): each rank is
+    1 + np.count_nonzero(row > score) (+v) or (row < score) (-v), NaN never counted, a NaN token score
+    ranked 1."""
+    special = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1.5, -1.5, 0.0, np.nan, 2.0, 1.5, -0.0], np.float32)
+    scales = np.array([1.0, -1.0, 0.0, 2.0, -0.5], np.float32)
+    with np.errstate(invalid="ignore"):  # 0 × inf is NaN, as wanted
+        scores = scales[:, None] * special[None, :]  # [5, 12], one product each
+    slots = np.repeat(np.arange(5), 24)
+    tokens = np.tile(np.arange(12), 10)
+    signs = np.tile(np.repeat([1, -1], 12), 5)
+    expected = [1 + (np.count_nonzero(scores[s] > scores[s, t]) if g > 0 else np.count_nonzero(scores[s] < scores[s, t]))
+                for s, t, g in zip(slots, tokens, signs)]
+    assert len(set(expected)) > 5 and np.isnan(scores).sum() > 5
+    for block in (1, 2, 5):
+        got = E.pair_ranks(torch.from_numpy(scales[:, None]), torch.from_numpy(special[None, :]), slots, tokens,
+                           signs=signs, block=block)
+        assert got.tolist() == expected
+
+
 def test_summarize_ranks_exact_quantiles():
     ranks = pd.DataFrame({"layer": [0] * 5 + [1] * 2, "token_rank": [1, 2, 3, 4, 100, 1, 1],
                           "shuffled_rank": [10, 20, 30, 40, 50, 7, 9]})

@@ -7,7 +7,7 @@ with every vocabulary score: rank = 1 + number of tokens scored strictly higher 
 top token). The pooled rank and the top-1 trigger's rank are both summarised, under every
 convention asked for (``raw`` is Geva et al.'s). A rank is a count of the scores above the token's,
 over the value's vocabulary scores computed block by block (``block`` slots × vocab at a time; the slots
-× vocab matrix never exists); nothing is sorted.
+× vocab matrix never exists), read off each row sorted once by a binary search.
 
 Baseline: the same triggers ranked under another neuron's value of the layer (a seeded random
 derangement), compared per neuron with a paired Wilcoxon signed-rank test and a sign test. A
@@ -93,8 +93,8 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     vectors [rows, d_model], basis [d_model, vocab], slots, tokens and signs (+1 / -1, default +1)
     [pairs]. Returns ranks [pairs] int64, 1 + #(scores strictly above the token's score): tokens tied
     with it do not count, so tied tokens share the best rank among them, as after a full sort. The
-    scores are float32, computed ``block`` rows × vocab at a time; a pair's rank is one count over its
-    row's scores (no sort: a row with m distinct needed scores costs m passes over the vocabulary).
+    scores are float32, computed ``block`` rows × vocab at a time; each row with pairs is sorted once and a
+    pair's rank is a binary search in it (exactly the count over the row, whatever the number of pairs).
     """
     import torch
 
@@ -116,26 +116,35 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
             lo, hi = np.searchsorted(sorted_slots, [start, start + block])
             scores = (vectors[start:start + block].float() @ basis).numpy()  # [block, vocab] float32
             members = order[lo:hi]
-            for row, at in _pairs_by_row(slots[members], members):
-                out[at] = _count_beyond(scores[row - start], tokens[at], signs[at]) + 1
+            out[members] = _count_beyond(scores, slots[members] - start, tokens[members], signs[members]) + 1
     return out
 
 
-def _pairs_by_row(rows: np.ndarray, members: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(row, the pairs of ``members`` on it) for each distinct row of ``rows`` (the pairs' rows)."""
-    order = np.argsort(rows, kind="stable")
-    distinct, first = np.unique(rows[order], return_index=True)
-    return list(zip(distinct.tolist(), np.split(members[order], first[1:])))
+def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """Per pair p: how many of the scores [rows[p], :] lie strictly above its token's score
+    scores[rows[p], tokens[p]] (signs[p] = +1) or strictly below it (-1, the rank under -v).
 
-
-def _count_beyond(line: np.ndarray, tokens: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """Per pair: how many of ``line``'s scores [vocab] lie strictly above its token's score (+1) or strictly
-    below it (-1, the rank under -v). Each distinct (score, sign) is counted once."""
-    needed = np.stack([line[tokens].astype(np.float64), signs.astype(np.float64)], axis=1)  # [pairs, 2] exact
-    distinct, inverse = np.unique(needed, axis=0, return_inverse=True)
-    counts = np.array([np.count_nonzero(line > score) if sign > 0 else np.count_nonzero(line < score)
-                       for score, sign in zip(line.dtype.type(distinct[:, 0]), distinct[:, 1].tolist())], np.int64)
-    return counts[inverse.reshape(-1)]
+    Each row with pairs is sorted once; a count is then a binary search of the token's score in its
+    sorted row (float comparisons, so -0.0 equals 0.0). NaN scores never count, and a NaN token
+    score has no score beyond it, as with ``np.count_nonzero(line > score)``."""
+    used, at = np.unique(rows, return_inverse=True)
+    ordered = np.sort(scores[used], axis=1)  # ascending, NaN last
+    vocab = scores.shape[1]
+    valid = np.full(len(used), vocab, np.int64)  # each row's scores that are not NaN
+    has_nan = np.isnan(ordered[:, -1])
+    valid[has_nan] = vocab - np.count_nonzero(np.isnan(ordered[has_nan]), axis=1)
+    needed = scores[rows, tokens]
+    counts = np.zeros(len(rows), np.int64)
+    by_row = np.argsort(at, kind="stable")
+    bounds = np.searchsorted(at[by_row], np.arange(len(used) + 1))
+    for i in range(len(used)):
+        pairs = by_row[bounds[i]:bounds[i + 1]]
+        line, score = ordered[i, :valid[i]], needed[pairs]
+        above = valid[i] - np.searchsorted(line, score, side="right")
+        below = np.searchsorted(line, score, side="left")
+        counts[pairs] = np.where(signs[pairs] > 0, above, below)
+    counts[np.isnan(needed)] = 0
+    return counts
 
 
 def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, convention: str | Sequence[str] | None = None,

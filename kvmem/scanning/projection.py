@@ -28,7 +28,7 @@ import hashlib
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -172,15 +172,20 @@ class NeuronProjector:
         self.model, self.config = model, config
         self._prepared: tuple | None = None
 
-    def tables(self, layer: int, neurons) -> ProjectionTables:
-        """The rows of ``neurons`` (ints, any order) of ``layer``, sorted as the whole tables sort them."""
+    def tables(self, layer: int, neurons, *, only: str | None = None) -> ProjectionTables:
+        """The rows of ``neurons`` (ints, any order) of ``layer``, sorted as the whole tables sort them;
+        ``only``: "values" or "keys" computes that table alone (the other is then empty)."""
         import torch
 
+        if only not in (None, "values", "keys"):
+            raise ValueError(f"only must be None, 'values' or 'keys', got {only!r}")
         rows = torch.tensor(sorted(set(int(n) for n in neurons)), dtype=torch.int64)
         projected = projected_vectors(self.model, [layer], self.config, rows)
-        if self._prepared is None:
+        if self._prepared is None:  # both bases, whichever table this call asks for
             self._prepared = (prepare_bases(projected), pa.array(self.model.vocab_strings, pa.string()))
         bases, vocab = self._prepared
+        if only is not None:
+            projected = replace(projected, **{"keys" if only == "values" else "values": []})
         return projection_tables(self.model, [layer], self.config, projected=projected, bases=bases, vocab=vocab)
 
 

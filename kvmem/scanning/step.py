@@ -31,7 +31,7 @@ from kvmem.scanning.reads import Pending, Reads, sizes
 from kvmem.scanning.statistics import LayerState, ScanState
 from kvmem.scanning.statistics.batch import BatchLayout, LayerBatch, Positions, ScanBatch
 
-__all__ = ["BatchRows", "BatchStep", "fold_batch", "window_context"]
+__all__ = ["BatchRows", "BatchStep", "fold_batch", "window_context", "window_rows"]
 
 
 def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor, end: Tensor,
@@ -51,6 +51,21 @@ def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, f
         return got
     at = rows * d_ff + neurons
     return torch.cat([got, extras.reshape(extras.shape[0], -1).index_select(1, at).T], dim=1)
+
+
+def window_rows(acts: Tensor, rows: Tensor, steps: Tensor, first: Tensor, end: Tensor,
+                extras: Tensor | None = None) -> Tensor:
+    """Every neuron's coefficients at rows ``rows[i] + steps``, NaN where that row lies outside the row's
+    window, then ``extras[e, rows[i]]`` for each e -> [m, C + E, F] float32: what :func:`window_context`
+    gives for each (row, neuron), laid out as whole rows of acts (one ``index_select`` of rows)."""
+    n, d_ff = acts.shape
+    around = rows[:, None] + steps[None, :]  # [m, C]
+    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
+    got = acts.index_select(0, around.clamp_(0, n - 1).view(-1)).view(*around.shape, d_ff)
+    got.masked_fill_(~inside[:, :, None], float("nan"))
+    if extras is None or extras.shape[0] == 0:
+        return got
+    return torch.cat([got, extras.index_select(1, rows).transpose(0, 1)], dim=1)
 
 
 @torch.inference_mode()  # no autograd; pools written in and out of the forward alike
@@ -172,7 +187,10 @@ class BatchStep:
         def context(at: Tensor, neurons: Tensor) -> Tensor:  # [c, C (+ gate, up)]
             return window_context(acts, at, neurons, steps, rows.low, rows.high, extras)
 
-        batch = LayerBatch(acts, rows.codes, rows.batch.ordered, context, self.layout, self.reads,
+        def row_context(at: Tensor) -> Tensor:  # [m, C (+ gate, up), F]
+            return window_rows(acts, at, steps, rows.low, rows.high, extras)
+
+        batch = LayerBatch(acts, rows.codes, rows.batch.ordered, context, row_context, self.layout, self.reads,
                            positions=rows.positions, gate_up=None if extras is None else (extras[0], extras[1]))
         fold_batch(self.state.layer_states[layer], batch, self.finite, layer)
 

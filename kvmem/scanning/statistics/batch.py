@@ -20,10 +20,12 @@ from torch import Tensor
 from kvmem.scanning.ordering import EMPTY
 from kvmem.scanning.reads import Reads
 
-__all__ = ["ContextFn", "Documents", "Positions", "BatchLayout", "LayerBatch", "ScanBatch", "to_device"]
+__all__ = ["ContextFn", "RowContextFn", "Documents", "Positions", "BatchLayout", "LayerBatch", "ScanBatch", "to_device"]
 
 # (flat row indices [c], neuron indices [c]) -> coefficients of that neuron around each row [c, width]
 ContextFn = Callable[[Tensor, Tensor], Tensor]
+# flat row indices [m] -> every neuron's coefficients around each row [m, width, F]
+RowContextFn = Callable[[Tensor], Tensor]
 
 
 def to_device(array: np.ndarray, device) -> Tensor:
@@ -139,7 +141,8 @@ class LayerBatch:
     ``acts`` [N, F] float32: the scored positions in reading order; ``codes`` [N] int64; ``ordered``: the
     codes increase along the batch and exceed every code folded in before (ties can then never enter);
     ``context``: each candidate's context coefficients (then its gate and up pre-activations when the
-    scan keeps them, :attr:`LayerSpec.extras`); ``layout``: the batch's :class:`BatchLayout`;
+    scan keeps them, :attr:`LayerSpec.extras`); ``row_context``: the same for every neuron of whole rows;
+    ``layout``: the batch's :class:`BatchLayout`;
     ``positions``: each row's place in its window; ``gate_up``: the gate and up pre-activations [N, F]
     (when a statistic asked for them); ``reads``: where updates defer their device reads. A statistic
     may leave ``finite``, a 0-dim bool tensor that is True exactly when every coefficient is finite.
@@ -149,6 +152,7 @@ class LayerBatch:
     codes: Tensor
     ordered: bool
     context: ContextFn
+    row_context: RowContextFn
     layout: BatchLayout
     reads: Reads
     positions: Positions | None = None

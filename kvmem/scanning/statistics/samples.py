@@ -21,7 +21,7 @@ from torch import Tensor
 from kvmem.scanning.histogram import HIST_BINS, bin_of
 from kvmem.scanning.ordering import KEY_BITS, NO_KEY, keys_or_none, order_by_key
 from kvmem.scanning.reads import Pending, sizes
-from kvmem.scanning.statistics.batch import ContextFn, LayerBatch
+from kvmem.scanning.statistics.batch import LayerBatch, RowContextFn
 from kvmem.scanning.statistics.sides import doc_pos, list_column, nonzero, nonzero_static
 from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 
@@ -30,11 +30,13 @@ __all__ = ["Samples", "SamplesState", "RandomSample", "BinSample"]
 
 @dataclass
 class RandomSample:
-    """codes [S] int64 (-1 empty), sorted by key; values [S, F]; context [S, F, C] (NaN outside the window).
+    """codes [S] int64 (-1 empty), sorted by key; values [S, F]; ``store`` [S, C, F]: each kept position's
+    context rows, every neuron's coefficient at the C context tokens around it (NaN outside the window),
+    laid out as the batch's own rows so that a position entering copies whole rows.
 
-    The context rows stay where they were written (``store``, one slot per kept position) and
-    ``slots`` [S] names each sorted entry's slot, so a batch that lets a few positions in writes
-    their rows only, not all S × F × C again; ``context`` gives them in sorted order.
+    The context rows stay where they were written (one slot per kept position) and ``slots`` [S] names
+    each sorted entry's slot, so a batch that lets a few positions in writes their rows only, not all
+    S × C × F again; :attr:`rows` gives them in sorted order, :attr:`context` per neuron ([S, F, C]).
     """
 
     codes: Tensor
@@ -47,19 +49,29 @@ class RandomSample:
     def empty(cls, size: int, d_ff: int, width: int, device, *, seed: int) -> RandomSample:
         return cls(torch.full((size,), -1, dtype=torch.int64, device=device),
                    torch.full((size, d_ff), float("nan"), dtype=torch.float32, device=device),
-                   torch.full((size, d_ff, width), float("nan"), dtype=torch.float32, device=device), seed)
+                   torch.full((size, width, d_ff), float("nan"), dtype=torch.float32, device=device), seed)
+
+    @classmethod
+    def of_context(cls, codes: Tensor, values: Tensor, context: Tensor, *, seed: int) -> RandomSample:
+        """From the per-neuron context [S, F, C] (the checkpoint's layout)."""
+        return cls(codes, values, context.transpose(1, 2).contiguous(), seed)
+
+    @property
+    def rows(self) -> Tensor:
+        """[S, C, F] in the order of ``codes``."""
+        return self.store if self.slots is None else self.store.index_select(0, self.slots)
 
     @property
     def context(self) -> Tensor:
-        """[S, F, C] in the order of ``codes``."""
-        return self.store if self.slots is None else self.store.index_select(0, self.slots)
+        """[S, F, C] in the order of ``codes`` (a view of :attr:`rows`)."""
+        return self.rows.transpose(1, 2)
 
     def merge(self, other: RandomSample) -> RandomSample:
         size = self.codes.shape[0]
         codes = torch.cat([self.codes, other.codes])
         order = order_by_key(keys_or_none(codes, self.seed), codes, 0)[:size]
         return RandomSample(codes[order], torch.cat([self.values, other.values])[order],
-                            torch.cat([self.context, other.context])[order], self.seed)
+                            torch.cat([self.rows, other.rows])[order], self.seed)
 
 
 @dataclass
@@ -135,7 +147,7 @@ class Samples(Statistic):
         if layout.random:
             batch.reads.defer(random_sample(state.random, batch.acts, layout.ranked[:layout.random],
                                             layout.ranked_keys[:layout.random], layout.ranked_codes[:layout.random],
-                                            batch.context))
+                                            batch.row_context))
         if layout.thinned:
             batch.reads.defer(bin_sample(state.bins, batch.acts, layout.ranked[:layout.thinned],
                                          layout.ranked_keys[:layout.thinned], layout.ranked_codes[:layout.thinned]))
@@ -158,8 +170,8 @@ class Samples(Statistic):
     def from_tensors(self, prefix: str, tensors: dict[str, Tensor], meta: dict) -> SamplesState:
         random = bins = None
         if meta.get("random_seed") is not None:
-            random = RandomSample(*(tensors[f"{prefix}.random.{part}"] for part in ("codes", "values", "context")),
-                                  seed=int(meta["random_seed"]))
+            random = RandomSample.of_context(*(tensors[f"{prefix}.random.{part}"]
+                                               for part in ("codes", "values", "context")), seed=int(meta["random_seed"]))
         if meta.get("bins") is not None:
             seed, rate = meta["bins"]
             bins = BinSample(tensors[f"{prefix}.bins.codes"], tensors[f"{prefix}.bins.values"], int(seed), float(rate))
@@ -184,9 +196,10 @@ class Samples(Statistic):
 
 
 def random_sample(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor,
-                  context_fn: ContextFn) -> Pending | None:
+                  context_fn: RowContextFn) -> Pending | None:
     """A pending step (one read): fold a batch into the random sample: acts [N, F]; ``rows`` [m] the
-    batch's positions with the m smallest (key, code), their keys and codes [m]."""
+    batch's positions with the m smallest (key, code), their keys and codes [m]; ``context_fn(rows)``
+    their context rows [m, C, F]."""
     size, d_ff = sample.values.shape
     if size == 0 or rows.numel() == 0:
         return None
@@ -194,7 +207,7 @@ def random_sample(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: Te
 
 
 def _random_entries(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor,
-                    context_fn: ContextFn) -> Pending:
+                    context_fn: RowContextFn) -> Pending:
     size, d_ff = sample.values.shape
     own = keys_or_none(sample.codes, sample.seed)
     all_codes = torch.cat([sample.codes, row_codes])
@@ -208,9 +221,7 @@ def _random_entries(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: 
     kept_old = torch.zeros(size, dtype=torch.bool, device=acts.device)
     kept_old[order.index_select(0, nonzero(~is_new, size - n))] = True
     freed = slots.index_select(0, nonzero(~kept_old, n))  # as many as enter
-    new_rows = rows.index_select(0, entering)
-    neurons = torch.arange(d_ff, device=acts.device)
-    sample.store[freed] = context_fn(new_rows.repeat_interleave(d_ff), neurons.repeat(n)).view(n, d_ff, -1)
+    sample.store.index_copy_(0, freed, context_fn(rows.index_select(0, entering)))
     slot_of_new = torch.zeros(rows.numel(), dtype=torch.int64, device=acts.device)
     slot_of_new[entering] = freed
     sample.slots = torch.cat([slots, slot_of_new])[order]
@@ -293,8 +304,8 @@ def _sample_layer(layer: int, s: SamplesState, extras: int) -> dict[str, np.ndar
     if s.random is not None:
         random_codes = s.random.codes.cpu().numpy()
         ranks = np.flatnonzero(random_codes >= 0)  # the kept entries of the shared random positions
-        context = s.random.context.cpu().numpy()  # [S, F, C (+ gate, up)]
-        width = context.shape[2] - extras
+        context = s.random.rows.cpu().numpy()  # [S, C (+ gate, up), F]
+        width = context.shape[1] - extras
     else:
         random_codes, ranks, width = np.empty(0, np.int64), np.empty(0, np.int64), 0
     r = len(ranks)
@@ -327,7 +338,7 @@ def _sample_layer(layer: int, s: SamplesState, extras: int) -> dict[str, np.ndar
         out["rank"][random_at] = np.tile(ranks, d_ff)
         out["activation"][random_at] = s.random.values.cpu().numpy()[ranks].T.reshape(-1)
         out["code"][random_at] = np.tile(random_codes[ranks], d_ff)
-        out["context"] = context[ranks, :, :width].transpose(1, 0, 2).reshape(d_ff * r, width)  # rows random_at
+        out["context"] = context[ranks, :width, :].transpose(2, 0, 1).reshape(d_ff * r, width)  # rows random_at
     if len(b_neuron):
         out["bin"][bin_at] = b_bin
         out["rank"][bin_at] = b_rank

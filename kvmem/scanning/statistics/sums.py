@@ -26,17 +26,17 @@ def column_sum(values: Tensor) -> Tensor:
     return total + values[full:].sum(dim=0, dtype=torch.float64) if full < n else total
 
 
-_SCRATCH: dict[tuple[torch.dtype, str], Tensor] = {}
+_SCRATCH: dict[tuple[torch.dtype, str, int], Tensor] = {}
 
 
-def scratch(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
-    """A reused buffer of ``shape`` for one batch's temporaries (one per dtype and device): a fresh
-    [N, F] tensor per layer and batch would be allocated, and its pages faulted in, every time.
-    Its contents last until the next call for the same dtype and device."""
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device, *, slot: int = 0) -> Tensor:
+    """A reused buffer of ``shape`` for one batch's temporaries (one per dtype, device and ``slot``): a
+    fresh [N, F] tensor per layer and batch would be allocated, and its pages faulted in, every time.
+    Its contents last until the next call for the same dtype, device and slot."""
     numel = 1
     for size in shape:
         numel *= size
-    key = (dtype, str(device))
+    key = (dtype, str(device), slot)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
