@@ -14,6 +14,7 @@ is computed.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from kvmem.models import Model
 
 __all__ = ["TABLES", "OnDemandProjections", "missing_table_message", "project_atlas"]
+
+_RECENT = 4  # on-demand answers kept per atlas
 
 TABLES = ("values", "keys")
 
@@ -45,6 +48,7 @@ class OnDemandProjections:
         self._model: Model | None = None
         self._projector = None
         self._files: dict | None = None
+        self._recent: OrderedDict[tuple, pa.Table] = OrderedDict()  # (table, layer, neurons) -> rows
         if model is not None:
             self.use_model(model)
 
@@ -87,14 +91,22 @@ class OnDemandProjections:
         return self._files[table]
 
     def rows(self, table: str, layer: int, neurons, model: Model | None = None) -> pa.Table:
-        """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order."""
+        """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order. The last
+        few answers are kept (an analysis reads a layer's values more than once)."""
         from kvmem.scanning.projection import NeuronProjector
 
         if model is not None:
             self.use_model(model)
         if self._projector is None:
             self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
-        return getattr(self._projector.tables(layer, neurons, only=table), table)
+            self._recent.clear()
+        key = (table, int(layer), tuple(sorted({int(n) for n in neurons})))
+        if key not in self._recent:
+            self._recent[key] = getattr(self._projector.tables(layer, key[2], only=table), table)
+            while len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+        self._recent.move_to_end(key)
+        return self._recent[key]
 
 
 def project_atlas(atlas, *, model: Model | None = None, progress: bool = False) -> dict[str, Any]:

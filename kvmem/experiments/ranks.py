@@ -165,34 +165,41 @@ def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, conventi
     chosen = atlas_layers(atlas, layers)
     match = check_fingerprint(atlas, model)
     unembedding = model.unembedding()  # [d_model, vocab]
-    parts = []
+    frames = {}
     for side in chosen_sides:
         frame = read_columns(atlas, "triggers", ["layer", "neuron", "rank", "token_id", "next_token_id"],
                              [("kind", "=", trigger_kind(side, kind)), ("next_token_id", ">=", 0), ("layer", "in", chosen)])
         frame = frame.sort_values(["layer", "neuron", "rank"], kind="stable")
         frame = frame.assign(trigger=frame.groupby(["layer", "neuron"]).cumcount().to_numpy())
-        if triggers is not None:
-            frame = frame[frame.trigger.to_numpy() < triggers]
-        sign = SIDES[side][2]
-        for layer in chosen:
-            here = frame[frame.layer.to_numpy() == layer]
+        frames[side] = frame[frame.trigger.to_numpy() < triggers] if triggers is not None else frame
+    parts = []
+    for layer in chosen:
+        laid = []  # per side: its rows of this layer, their shuffled partners and tokens
+        for side in chosen_sides:
+            here = frames[side][frames[side].layer.to_numpy() == layer]
             neuron = here.neuron.to_numpy().astype(np.int64)
-            tokens = here.next_token_id.to_numpy().astype(np.int64)
-            own_tokens = here.token_id.to_numpy().astype(np.int64)
             neurons = np.unique(neuron)
             sigma = single_cycle(len(neurons), np.random.default_rng([seed, layer]))
             partner = dict(zip(neurons.tolist(), neurons[sigma].tolist()))
-            other = np.array([partner[n] for n in neuron.tolist()], np.int64)
-            n = len(neuron)
-            for name in conventions:
-                vectors = convention_vectors(model, model.written_values(layer), name)  # [d_ff, d_model]
-                ranks = pair_ranks(vectors, unembedding, np.concatenate([neuron, other, neuron]),
-                                   np.concatenate([tokens, tokens, own_tokens]), signs=np.full(3 * n, sign), block=block)
+            laid.append((side, here, neuron, np.array([partner[n] for n in neuron.tolist()], np.int64),
+                         here.next_token_id.to_numpy().astype(np.int64), here.token_id.to_numpy().astype(np.int64),
+                         len(neurons)))
+        # both sides' pairs in one call per convention: the same value vectors, so one product and one sort
+        slots = np.concatenate([np.concatenate([neuron, other, neuron]) for _, _, neuron, other, *_ in laid])
+        wanted = np.concatenate([np.concatenate([tokens, tokens, own]) for *_, tokens, own, _ in laid])
+        signs = np.concatenate([np.full(3 * len(neuron), SIDES[side][2]) for side, _, neuron, *_ in laid])
+        for name in conventions:
+            vectors = convention_vectors(model, model.written_values(layer), name)  # [d_ff, d_model]
+            ranks = pair_ranks(vectors, unembedding, slots, wanted, signs=signs, block=block)
+            at = 0
+            for side, here, neuron, _, tokens, own_tokens, distinct in laid:
+                n = len(neuron)
+                mine, at = ranks[at:at + 3 * n], at + 3 * n
                 parts.append(pd.DataFrame({
                     "convention": name, "side": side, "layer": layer, "neuron": neuron,
                     "trigger": here.trigger.to_numpy(), "next_token_id": tokens, "token_id": own_tokens,
-                    "token_rank": ranks[:n], "shuffled_rank": ranks[n:2 * n] if len(neurons) > 1 else -1,
-                    "self_rank": ranks[2 * n:]}))
+                    "token_rank": mine[:n], "shuffled_rank": mine[n:2 * n] if distinct > 1 else -1,
+                    "self_rank": mine[2 * n:]}))
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(RANK_COLUMNS))
     if len(out):  # side, then convention, then layer: the order of agreement's rows
         order = np.lexsort((out.layer.to_numpy(), out.convention.map(conventions.index).to_numpy(),

@@ -62,17 +62,21 @@ def exact_permutation_null_of_pairs(owners: np.ndarray, targets: np.ndarray, val
 
 
 def _statistic(values: np.ndarray, weights: np.ndarray, statistic: Any) -> np.ndarray:
-    """Weighted statistic of ``values`` [N] per row of ``weights`` [B, N] -> [B]."""
+    """Weighted statistic of ``values`` [N] (ascending, for a quantile) per row of ``weights`` [B, N] -> [B]."""
     if statistic == "mean":
         return (weights @ values) / weights.sum(axis=1)
     q = 0.5 if statistic == "median" else float(statistic)
-    order = np.argsort(values, kind="stable")
-    cumulative = np.cumsum(weights[:, order], axis=1)  # [B, N]
-    target = q * cumulative[:, -1:]
-    low = (cumulative >= target - 1e-9).argmax(axis=1)  # first value reaching the quantile
-    high = (cumulative > target + 1e-9).argmax(axis=1)  # first value passing it (the same unless exactly on it)
-    ordered = values[order]
-    return (ordered[low] + ordered[high]) / 2  # as np.median when the weight splits exactly in half
+    cumulative = np.cumsum(weights, axis=1)  # [B, N], non-decreasing along each row (weights >= 0)
+    target = q * cumulative[:, -1]
+    n = len(values)
+    low, high = np.empty(len(weights), np.int64), np.empty(len(weights), np.int64)
+    for b, (row, t) in enumerate(zip(cumulative, target)):
+        # the first value whose cumulative weight reaches the quantile, and the first that passes it (the same
+        # unless exactly on it); a binary search, as each row is sorted
+        low[b] = np.searchsorted(row, t - 1e-9, side="left")
+        high[b] = np.searchsorted(row, t + 1e-9, side="right")
+    low[low == n], high[high == n] = 0, 0  # none reaches it (float rounding at the end): the first value
+    return (values[low] + values[high]) / 2  # as np.median when the weight splits exactly in half
 
 
 def bootstrap_ci(values: Sequence[float], *, groups: Sequence[Any] | None = None,
@@ -99,6 +103,9 @@ def bootstrap_ci(values: Sequence[float], *, groups: Sequence[Any] | None = None
         return float("nan"), float("nan")
     group_ids = np.unique(group_ids, return_inverse=True)[1]
     n_groups = int(group_ids.max()) + 1
+    if statistic != "mean":  # a quantile reads the values in ascending order: sort them once, not per replicate
+        order = np.argsort(values, kind="stable")
+        values, weights, group_ids = values[order], weights[order], group_ids[order]
     out = np.empty(n_boot)
     chunk = max(1, int(4e6 // len(values)))
     start = 0
