@@ -12,7 +12,7 @@ from layer_driver import fold, new_layer
 from kvmem.scanning.histogram import HIST_BINS, reference_bin
 from kvmem.scanning.ordering import BLOCK_ROWS, KEY_BITS, NO_KEY, order_by_key, position_keys
 from kvmem.scanning.statistics.sides import block_extremes
-from kvmem.scanning.step import window_context
+from kvmem.scanning.step import window_context, window_rows
 
 K, F, WIDTH = 3, 5, 2
 
@@ -262,3 +262,30 @@ def test_window_context_equals_brute_force():
     only = window_context(torch.from_numpy(acts), as_tensor(rows), as_tensor(neurons), as_tensor(steps[:0]),
                           as_tensor(first), as_tensor(end), torch.from_numpy(extras))  # no context, extras only
     np.testing.assert_array_equal(only.numpy().view(np.int32), want[:, len(steps):].view(np.int32))
+
+
+def test_window_rows_equal_brute_force():
+    """Row i holds every neuron at rows rows[i] + step, NaN wherever that row leaves the row's own window,
+    then the extras' rows (the random sample's context, laid out as whole rows)."""
+    rng = np.random.default_rng(6)
+    lengths = [1, 7, 3, 12, 2]
+    n, d_ff = sum(lengths), 9
+    acts = special_values(rng, n, d_ff)
+    first = np.repeat(np.cumsum([0] + lengths[:-1]), lengths)
+    end = first + np.repeat(lengths, lengths)
+    steps = np.arange(-4, 5)
+    rows = np.concatenate([np.arange(n), rng.integers(0, n, 10)])
+    extras = np.stack([special_values(rng, n, d_ff), special_values(rng, n, d_ff)])
+    want = np.full((len(rows), len(steps) + 2, d_ff), np.nan, np.float32)
+    for i, row in enumerate(rows):
+        for j, step in enumerate(steps):
+            if first[row] <= row + step < end[row]:
+                want[i, j] = acts[row + step]
+        want[i, len(steps):] = extras[:, row]
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+    got = window_rows(torch.from_numpy(acts), as_tensor(rows), as_tensor(steps), as_tensor(first), as_tensor(end),
+                      torch.from_numpy(extras))
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got.numpy().view(np.int32), want.view(np.int32))  # the bits, -0.0 and NaN included
+    plain = window_rows(torch.from_numpy(acts), as_tensor(rows), as_tensor(steps), as_tensor(first), as_tensor(end))
+    np.testing.assert_array_equal(plain.numpy().view(np.int32), want[:, :len(steps)].view(np.int32))

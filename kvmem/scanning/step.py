@@ -34,6 +34,14 @@ from kvmem.scanning.statistics.batch import BatchLayout, LayerBatch, Positions, 
 __all__ = ["BatchRows", "BatchStep", "fold_batch", "window_context", "window_rows"]
 
 
+def _around(rows: Tensor, steps: Tensor, first: Tensor, end: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """(rows[i] + steps clamped into 0..n-1, whether each lies inside row i's window
+    ``first[row] <= row + step < end[row]``) [c, C] each."""
+    around = rows[:, None] + steps[None, :]
+    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
+    return around.clamp_(0, n - 1), inside
+
+
 def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, first: Tensor, end: Tensor,
                    extras: Tensor | None = None) -> Tensor:
     """Coefficients of neuron ``neurons[i]`` at rows ``rows[i] + steps``, NaN where that row lies outside
@@ -43,9 +51,8 @@ def window_context(acts: Tensor, rows: Tensor, neurons: Tensor, steps: Tensor, f
     A flat ``index_select`` (advanced indexing of acts costs several times as much); values are copied,
     never computed."""
     n, d_ff = acts.shape
-    around = rows[:, None] + steps[None, :]  # [c, C]
-    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
-    flat = around.clamp_(0, n - 1).mul_(d_ff).add_(neurons[:, None])
+    around, inside = _around(rows, steps, first, end, n)  # [c, C]
+    flat = around.mul_(d_ff).add_(neurons[:, None])
     got = acts.reshape(-1).index_select(0, flat.view(-1)).view(flat.shape).masked_fill_(~inside, float("nan"))
     if extras is None or extras.shape[0] == 0:
         return got
@@ -59,9 +66,8 @@ def window_rows(acts: Tensor, rows: Tensor, steps: Tensor, first: Tensor, end: T
     window, then ``extras[e, rows[i]]`` for each e -> [m, C + E, F] float32: what :func:`window_context`
     gives for each (row, neuron), laid out as whole rows of acts (one ``index_select`` of rows)."""
     n, d_ff = acts.shape
-    around = rows[:, None] + steps[None, :]  # [m, C]
-    inside = (around >= first.index_select(0, rows)[:, None]) & (around < end.index_select(0, rows)[:, None])
-    got = acts.index_select(0, around.clamp_(0, n - 1).view(-1)).view(*around.shape, d_ff)
+    around, inside = _around(rows, steps, first, end, n)  # [m, C]
+    got = acts.index_select(0, around.view(-1)).view(*around.shape, d_ff)
     got.masked_fill_(~inside[:, :, None], float("nan"))
     if extras is None or extras.shape[0] == 0:
         return got
