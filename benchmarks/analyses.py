@@ -47,8 +47,8 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
 # analysis -> (how its cost grows, the factor that takes it to Llama-3.1-8B given the atlas's model)
 GROWTH = {
     "agreement": ("atlas rows: neurons × kept triggers, and a bootstrap over neurons per layer", "neurons"),
-    "next-token-rank": ("neurons × vocab × d_model (the scores, a float32 GEMM per convention) + neurons × vocab × "
-                        "distinct needed tokens per neuron (the counts)", "neurons*vocab*d_model"),
+    "next-token-rank": ("neurons × vocab × d_model (the scores, a float32 GEMM per convention, both sides at once) + "
+                        "neurons × vocab × log vocab (one sort of each value's scores)", "neurons*vocab*d_model"),
     "token-removal": ("forwards over a fixed sample of prefixes per layer: layers × parameters", "layers*params"),
     "active-memories": ("one forward over a fixed number of positions: parameters", "params"),
     "layer-vs-memories": ("one forward over a fixed number of positions, each memory's top token read from the "

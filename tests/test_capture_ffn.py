@@ -19,6 +19,7 @@ import kvmem
 from kvmem.builtin import gpt2_tokenizer_dir
 from kvmem.capture import capture, capture_ffn
 from kvmem.errors import KvmemError
+from kvmem.unbridged import unbridged
 
 EAGER_ONLY = {"gemma2", "gpt_neo", "gptj", "opt", "phi", "gpt_neox", "gpt_neox-serial"}  # HF has no sdpa for some
 TEXTS = ["The capital of France is Paris, and the key-value reading of a feed-forward layer",
@@ -118,6 +119,9 @@ def test_the_view_shares_the_weights_and_leaves_the_bridge_alone(tmp_path, token
     shared = {p.data_ptr() for p in model.hf_model.parameters()}
     assert all(p.data_ptr() in shared for p in view.parameters())
     assert model.describe()["attention"] == "sdpa"
+    asked = unbridged(model.hf_model, "eager")  # a view asked for another attention has it; the model keeps its own
+    assert asked.config._attn_implementation == "eager" and model.hf_model.config._attn_implementation == "sdpa"
+    assert all(p.data_ptr() in shared for p in asked.parameters())
 
     hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.hf_model.modules())
     after_last: list[int] = []
