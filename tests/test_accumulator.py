@@ -228,16 +228,21 @@ def test_bin_samples_equal_brute_force():
             np.testing.assert_array_equal(bins_kept.values[neuron, b, :chosen.size].numpy(), values[chosen, neuron])
 
 
+def _windows(rng):
+    """(acts [n, 9] of special values, each row's window bounds first and end [n] over windows of uneven
+    lengths, context steps -4..4)."""
+    lengths = [1, 7, 3, 12, 2]
+    acts = special_values(rng, sum(lengths), 9)
+    first = np.repeat(np.cumsum([0] + lengths[:-1]), lengths)
+    return acts, first, first + np.repeat(lengths, lengths), np.arange(-4, 5)
+
+
 def test_window_context_equals_brute_force():
     """Entry i reads neuron neurons[i] at rows rows[i] + step, NaN wherever that row leaves the
     entry's own window (windows of uneven lengths, entries at both edges, repeated entries, none)."""
     rng = np.random.default_rng(5)
-    lengths = [1, 7, 3, 12, 2]
-    n, d_ff = sum(lengths), 9
-    acts = special_values(rng, n, d_ff)
-    first = np.repeat(np.cumsum([0] + lengths[:-1]), lengths)
-    end = first + np.repeat(lengths, lengths)
-    steps = np.arange(-4, 5)
+    acts, first, end, steps = _windows(rng)
+    n, d_ff = acts.shape
     rows = np.concatenate([np.arange(n), rng.integers(0, n, 40)])
     neurons = rng.integers(0, d_ff, len(rows))
     want = np.full((len(rows), len(steps)), np.nan, np.float32)
@@ -268,12 +273,8 @@ def test_window_rows_equal_brute_force():
     """Row i holds every neuron at rows rows[i] + step, NaN wherever that row leaves the row's own window,
     then the extras' rows (the random sample's context, laid out as whole rows)."""
     rng = np.random.default_rng(6)
-    lengths = [1, 7, 3, 12, 2]
-    n, d_ff = sum(lengths), 9
-    acts = special_values(rng, n, d_ff)
-    first = np.repeat(np.cumsum([0] + lengths[:-1]), lengths)
-    end = first + np.repeat(lengths, lengths)
-    steps = np.arange(-4, 5)
+    acts, first, end, steps = _windows(rng)
+    n, d_ff = acts.shape
     rows = np.concatenate([np.arange(n), rng.integers(0, n, 10)])
     extras = np.stack([special_values(rng, n, d_ff), special_values(rng, n, d_ff)])
     want = np.full((len(rows), len(steps) + 2, d_ff), np.nan, np.float32)

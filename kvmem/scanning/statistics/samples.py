@@ -200,7 +200,7 @@ def random_sample(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: Te
     """A pending step (one read): fold a batch into the random sample: acts [N, F]; ``rows`` [m] the
     batch's positions with the m smallest (key, code), their keys and codes [m]; ``context_fn(rows)``
     their context rows [m, C, F]."""
-    size, d_ff = sample.values.shape
+    size = sample.values.shape[0]
     if size == 0 or rows.numel() == 0:
         return None
     return _random_entries(sample, acts, rows, row_keys, row_codes, context_fn)
@@ -208,7 +208,7 @@ def random_sample(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: Te
 
 def _random_entries(sample: RandomSample, acts: Tensor, rows: Tensor, row_keys: Tensor, row_codes: Tensor,
                     context_fn: RowContextFn) -> Pending:
-    size, d_ff = sample.values.shape
+    size = sample.values.shape[0]
     own = keys_or_none(sample.codes, sample.seed)
     all_codes = torch.cat([sample.codes, row_codes])
     order = order_by_key(torch.cat([own, row_keys]), all_codes, 0, check_ties=False)[:size]  # into [old S, new m]
