@@ -329,10 +329,11 @@ class Atlas:
         """Whether the atlas holds the values and keys tables (else a neuron's are computed on demand)."""
         return all((self.path / f"{name}.parquet").exists() for name in PROJECTION_TABLES)
 
-    def projection_rows(self, table: str, layer: int, neurons, *, model=None) -> pa.Table:
+    def projection_rows(self, table: str, layer: int, neurons, *, model=None, labels=None) -> pa.Table:
         """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``: read from the table, or computed
         from the model where the atlas holds none (``model``: the scanned model; default: loaded from the
-        manifest, fingerprint checked)."""
+        manifest, fingerprint checked). ``labels``: only the rows of these conventions (values) or vectors
+        (keys); None: all."""
         if table not in PROJECTION_TABLES:
             raise KvmemError(f"unknown projection table {table!r}; choose one of {', '.join(PROJECTION_TABLES)}")
         neurons = sorted({int(n) for n in neurons})
@@ -340,8 +341,13 @@ class Atlas:
             self.check(layer, neuron)
         if (self.path / f"{table}.parquet").exists():
             rows = self._read_arrow(table, layer, neurons[0] if len(neurons) == 1 else None)
-            return rows.filter(pc.is_in(rows.column("neuron"), pa.array(neurons, rows.schema.field("neuron").type)))
-        return self.projections.rows(table, layer, neurons, model)
+            rows = rows.filter(pc.is_in(rows.column("neuron"), pa.array(neurons, rows.schema.field("neuron").type)))
+        else:
+            rows = self.projections.rows(table, layer, neurons, model, labels=labels)
+        if labels is not None:
+            label = "convention" if table == "values" else "vector"
+            rows = rows.filter(pc.is_in(rows.column(label), pa.array(list(labels), pa.string())))
+        return rows
 
     def project(self, *, model=None, progress: bool = False) -> dict:
         """Write the values and keys tables into the atlas (as ``kvmem project`` does; nothing when it holds

@@ -90,9 +90,10 @@ class OnDemandProjections:
                            cached_projection_files(model, self.atlas.layers, self.atlas.manifest.config)["files"].items()}
         return self._files[table]
 
-    def rows(self, table: str, layer: int, neurons, model: Model | None = None) -> pa.Table:
-        """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order. The last
-        few answers are kept (an analysis reads a layer's values more than once)."""
+    def rows(self, table: str, layer: int, neurons, model: Model | None = None, *, labels=None) -> pa.Table:
+        """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order; ``labels``:
+        only these conventions (values) or vectors (keys) are computed (None: all). The last few answers are
+        kept (an analysis reads a layer's values more than once)."""
         from kvmem.scanning.projection import NeuronProjector
 
         if model is not None:
@@ -100,9 +101,10 @@ class OnDemandProjections:
         if self._projector is None:
             self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
             self._recent.clear()
-        key = (table, int(layer), tuple(sorted({int(n) for n in neurons})))
+        key = (table, int(layer), tuple(sorted({int(n) for n in neurons})),
+               None if labels is None else tuple(sorted(set(labels))))
         if key not in self._recent:
-            self._recent[key] = getattr(self._projector.tables(layer, key[2], only=table), table)
+            self._recent[key] = getattr(self._projector.tables(layer, key[2], only=table, labels=key[3]), table)
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
         self._recent.move_to_end(key)

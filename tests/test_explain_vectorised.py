@@ -42,9 +42,9 @@ def _run(atlas_dir, *, seed: int, held_out: float):
     atlas = kvmem.open(atlas_dir)
     kvmem.explain(atlas, neurons=[(layer, n) for layer in atlas.layers for n in range(0, atlas.d_ff, 3)], seed=seed,
                   held_out=held_out)
-    returned = kvmem.score(atlas_dir, scorers="detection,fuzzing,simulation", n_boot=300, seed=seed + 1)
+    returned = kvmem.score(atlas_dir, scorers="detection,fuzzing,simulation,output", n_boot=300, seed=seed + 1)
     first = store.read(atlas_dir)
-    fewer = kvmem.score(atlas_dir, scorers="simulation,detection", n_boot=200, per_band=3, max_quiet=4,
+    fewer = kvmem.score(atlas_dir, scorers="simulation,detection,output", n_boot=200, per_band=3, max_quiet=4,
                         neurons=[(layer, n) for layer in atlas.layers for n in range(0, atlas.d_ff, 6)])
     assert (fewer.detection_n <= 5 * 3 + 4).all() and (fewer.simulation_n <= 3 + 4).all()
     return first, returned, store.read(atlas_dir), fewer
@@ -57,7 +57,11 @@ def test_array_path_stores_exactly_what_the_per_side_path_stores(which, explain_
     fast_dir, slow_dir = tmp_path / "fast", tmp_path / "slow"
     for target in (fast_dir, slow_dir):
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("explanations*"))
+    per_side = []
+    one_side_at_a_time = scoring._score_sides
+    monkeypatch.setattr(scoring, "_score_sides", lambda *a, **k: per_side.append(1) or one_side_at_a_time(*a, **k))
     fast, fast_returned, fast_fewer, fast_fewer_returned = _run(fast_dir, seed=2, held_out=0.4)
+    assert not per_side  # every scorer of the tokens judge took the array path
 
     calls = []
     per_neuron = bulk.load_evidence
@@ -73,7 +77,7 @@ def test_array_path_stores_exactly_what_the_per_side_path_stores(which, explain_
     assert len(fast) == chosen * (2 if which == "gated" else 1)
     if which == "gated":
         assert set(fast.side) == {"positive", "negative"}
-    for name in ("detection", "fuzzing", "simulation"):
+    for name in ("detection", "fuzzing", "simulation", "output"):
         assert fast[name].notna().mean() > 0.9 and fast[f"{name}_baseline"].notna().mean() > 0.9
         assert fast[f"{name}_p"].notna().mean() > 0.9 and fast[f"{name}_diff_low"].notna().mean() > 0.9
         assert (fast[f"{name}_status"] == "ok").mean() > 0.9

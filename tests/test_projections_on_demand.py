@@ -63,6 +63,15 @@ def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair):
     stored = pq.read_table(eager.path / "values.parquet").to_pandas()
     stored = stored[(stored.layer == 1) & stored.neuron.isin([3, 7, 95])].reset_index(drop=True)
     pd.testing.assert_frame_equal(_bits(many.to_pandas()), _bits(stored), check_exact=True)
+    for convention in eager.conventions:  # one convention computed alone: the eager table's rows of it
+        for opened in (reopened, eager):
+            one = opened.projection_rows("values", 1, [95, 3, 7], labels=[convention]).to_pandas()
+            pd.testing.assert_frame_equal(_bits(one), _bits(stored[stored.convention == convention].reset_index(
+                drop=True)), check_exact=True)
+    key_rows = pq.read_table(eager.path / "keys.parquet").to_pandas()
+    key_rows = key_rows[(key_rows.layer == 1) & (key_rows.neuron == 7) & (key_rows.vector == "key")]
+    one = reopened.projection_rows("keys", 1, [7], labels=["key"]).to_pandas()
+    pd.testing.assert_frame_equal(_bits(one), _bits(key_rows.reset_index(drop=True)), check_exact=True)
     record = reopened.neuron(1, 7)
     assert record.promoted() == eager.neuron(1, 7).promoted() and record.promoted()
 

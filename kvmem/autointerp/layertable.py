@@ -42,6 +42,10 @@ _NEEDS = {
 }
 
 
+_VALUE_TYPES = {"layer": pa.int64(), "neuron": pa.int64(), "convention": pa.string(), "kind": pa.string(),
+                "rank": pa.int64(), "token_id": pa.int64(), "token": pa.string()}
+
+
 def _codes(table) -> np.ndarray:
     doc = np.asarray(table.column("doc").to_numpy(), np.int64)
     return (doc << 32) | np.asarray(table.column("pos").to_numpy(), np.int64)
@@ -181,9 +185,9 @@ class LayerExamples:
         return out
 
 
-def _layer_table(atlas, table: str, layer: int, wanted: np.ndarray) -> pa.Table:
+def _layer_table(atlas, table: str, layer: int, wanted: np.ndarray, convention: str | None = None) -> pa.Table:
     if table == "values" and not atlas.holds("values"):  # computed on demand, in neuron order
-        return atlas.projection_rows(table, layer, wanted.tolist()).select(_NEEDS[table])
+        return atlas.projection_rows(table, layer, wanted.tolist(), labels=[convention]).select(_NEEDS[table])
     rows = pq.read_table(atlas.table_path(table), columns=_NEEDS[table], filters=[("layer", "=", layer)])
     neuron = np.asarray(rows.column("neuron").to_numpy(), np.int64)
     keep = np.flatnonzero(np.isin(neuron, wanted))
@@ -205,13 +209,15 @@ def _histogram_levels(counts: np.ndarray, low: np.ndarray, high: np.ndarray, sig
 
 
 def read_layer(atlas, layer: int, neurons, *, sides, seed: int, held_out: float, convention: str,
-               contexts: Contexts) -> LayerExamples:
-    """The evidence of ``sides`` (names, in order) of ``neurons`` (sorted, distinct) of ``layer``."""
+               contexts: Contexts, written: bool = True) -> LayerExamples:
+    """The evidence of ``sides`` (names, in order) of ``neurons`` (sorted, distinct) of ``layer``;
+    ``written=False``: without what the values write (no projection is read or computed; writes empty)."""
     neurons = np.asarray(sorted({int(n) for n in neurons}), np.int64)
     trig = _layer_table(atlas, "triggers", layer, neurons)
     samp = _layer_table(atlas, "samples", layer, neurons)
     hist = _layer_table(atlas, "histograms", layer, neurons)
-    vals = _layer_table(atlas, "values", layer, neurons)
+    vals = _layer_table(atlas, "values", layer, neurons, convention) if written else \
+        pa.table({name: pa.array([], type) for name, type in _VALUE_TYPES.items()})
     edges = np.asarray([float(e) for e in atlas.manifest.histogram["edges"]])
     low, high = edges[:-1], edges[1:]
     counts = np.zeros((len(neurons), len(low)), np.float64)

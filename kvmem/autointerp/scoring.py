@@ -5,13 +5,15 @@ Every score carries a 95% interval, a p-value under a permutation null built for
 neuron's explanation of the same layer, side and explainer) with a paired interval of the score minus
 it, and, with ``baseline="random-init"``, the score of the same pipeline on a random-init copy of the
 model. A side with fewer non-activating examples than ``min_quiet`` (detection), or fewer than
-``MIN_EXAMPLES`` examples, is marked in ``S_status`` and not scored. Rows are stored chunk by chunk.
+``MIN_EXAMPLES`` examples, is marked in ``S_status`` and not scored. Rows are stored as they are scored, at
+most every 20 seconds, and at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -156,13 +158,17 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
     slow = [m for m in modules if m not in fast]
     settings = dict(seed=seed, per_band=per_band, max_quiet=max_quiet, n_boot=n_boot, judge_label=judge_label,
                     min_quiet=min_quiet)
+    storer = _Storer(atlas.path, scored)
     if fast:
-        _score_layers(atlas, rows, scored, borrowed, fast, contexts=contexts, **settings)
+        _score_layers(atlas, rows, scored, borrowed, fast, contexts=contexts, storer=storer, **settings)
     if slow:
         extra = _extras(atlas, slow, model=model, embedder=embedder)
         for begin in range(0, len(rows), chunk):
-            _score_sides(atlas, rows, scored, borrowed, slow, range(begin, min(begin + chunk, len(rows))),
-                         contexts=contexts, worker=worker, protocol=protocol, extra=extra, **settings)
+            part = range(begin, min(begin + chunk, len(rows)))
+            _score_sides(atlas, rows, scored, borrowed, slow, part, contexts=contexts, worker=worker,
+                         protocol=protocol, extra=extra, **settings)
+            storer.add(np.asarray(part))
+    storer.store()
     if baseline == "random-init":
         scored = _random_init_scores(atlas, scored, scorers=[m.NAME for m in modules], judge=judge, seed=seed,
                                      held_out=held_out, per_band=per_band, max_quiet=max_quiet, min_quiet=min_quiet,
@@ -258,14 +264,35 @@ def _score_sides(atlas, rows, scored, borrowed, modules, part, *, contexts, work
             else:
                 scored.at[i, f"{name}_baseline_from"] = -1
         _mark(scored, list(part), name, min_quiet=min_quiet)
-    store.write(atlas.path, store.upsert(store.read(atlas.path), scored.iloc[list(part)]))
+
+
+class _Storer:
+    """Scored rows into the atlas's explanations: at most every ``every`` seconds, and at the end (a killed run
+    keeps what was stored; each store rewrites the whole file)."""
+
+    def __init__(self, path, scored: pd.DataFrame, every: float = 20.0):
+        self.path, self.scored, self.every = path, scored, every
+        self.pending: list[np.ndarray] = []
+        self.last = time.monotonic()
+
+    def add(self, index: np.ndarray) -> None:
+        self.pending.append(np.asarray(index, np.int64))
+        if time.monotonic() - self.last >= self.every:
+            self.store()
+
+    def store(self) -> None:
+        if self.pending:
+            rows = self.scored.iloc[np.unique(np.concatenate(self.pending))]
+            store.write(self.path, store.upsert(store.read(self.path), rows))
+            self.pending = []
+        self.last = time.monotonic()
 
 
 def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.ndarray, modules, *, contexts,
                   judge_label: str, seed: int, per_band: int, max_quiet: int | None, n_boot: int,
-                  min_quiet: int) -> None:
+                  min_quiet: int, storer: _Storer) -> None:
     """The tokens judge's scores of ``rows`` into ``scored``, a layer at a time on arrays
-    (:func:`kvmem.autointerp.vectorised.score_layer`; equal to :func:`_score_sides`), stored per layer."""
+    (:func:`kvmem.autointerp.vectorised.score_layer`; equal to :func:`_score_sides`), stored as they go."""
     keys = KeyTables.build(contexts)
     parsed: dict[str, object] = {}
     rules = [parsed.get(r.rule) or parsed.setdefault(r.rule, rule_of(r)) for r in rows.itertuples(index=False)]
@@ -275,7 +302,8 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
         sides = sorted(set(rows.side.iloc[index]), key=list(SIDES).index)
         neurons = np.unique(neuron_col[index])
         table = read_layer(atlas, int(layer), neurons, sides=sides, seed=int(split_seed), held_out=float(fraction),
-                           convention=atlas.default_convention, contexts=contexts)
+                           convention=atlas.default_convention, contexts=contexts,
+                           written=any(m.NAME == "output" for m in modules))
         side_index = np.searchsorted(neurons, neuron_col[index]) * len(sides) + \
             np.asarray([sides.index(s) for s in rows.side.iloc[index]], np.int64)
         lender = borrowed[index]
@@ -302,7 +330,7 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
             scored.loc[index, f"{name}_baseline_from"] = np.where(mask, neuron_col[np.maximum(lender, 0)], -1).astype(
                 scored[f"{name}_baseline_from"].dtype)
             _mark(scored, index, name, min_quiet=min_quiet)
-        store.write(atlas.path, store.upsert(store.read(atlas.path), scored.iloc[index]))
+        storer.add(index)
 
 
 def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,

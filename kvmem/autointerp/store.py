@@ -129,8 +129,7 @@ def upsert(existing: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """Rows of ``existing`` whose key is not in ``new``, plus ``new``; sorted by key."""
     new = complete(new)
     if len(existing):
-        keys = set(map(tuple, new[list(KEY)].itertuples(index=False)))
-        keep = [tuple(k) not in keys for k in existing[list(KEY)].itertuples(index=False)]
+        keep = ~pd.MultiIndex.from_frame(existing[list(KEY)]).isin(pd.MultiIndex.from_frame(new[list(KEY)]))
         frames = [f for f in (complete(existing)[keep], new) if len(f)]
         new = pd.concat(frames, ignore_index=True) if frames else new
     return new.sort_values(list(KEY), kind="stable").reset_index(drop=True)

@@ -26,17 +26,26 @@ import numpy as np
 
 from kvmem.autointerp.explanation import Explanation
 from kvmem.autointerp.layertable import BAND_CODE
-from kvmem.autointerp.scorers import SCORERS
-from kvmem.autointerp.scorers.base import PER_BAND, Task
-from kvmem.autointerp.scorers.nulls import classification_nulls, hull, hypergeometric_p, shifted_interval, swap_p
+from kvmem.autointerp.scorers.base import PER_BAND
+from kvmem.autointerp.scorers.nulls import (
+    classification_nulls,
+    hulls,
+    hypergeometric_p,
+    permutation_ps,
+    record_permutation,
+    shifted_intervals,
+    swap_p,
+)
 from kvmem.autointerp.scorers.simulation import MAX_RANDOM, MAX_TOP
 from kvmem.autointerp.scorers.statistics import (
     N_BOOT,
     balanced_accuracy_from,
     bootstrap_many,
     classification_metrics,
-    paired_bootstrap,
+    paired_bootstrap_many,
     pearson_from,
+    resample_counts,
+    row_quantiles,
 )
 from kvmem.autointerp.splits import splitmix64
 from kvmem.autointerp.token_rules import RULE_KINDS, Rule, normalize
@@ -45,7 +54,7 @@ from kvmem.errors import KvmemError
 __all__ = ["KeyTables", "explain_layer", "score_layer", "ScoredRows", "FAST_SCORERS"]
 
 KINDS = tuple(RULE_KINDS)
-FAST_SCORERS = ("detection", "fuzzing", "simulation")
+FAST_SCORERS = ("detection", "fuzzing", "simulation", "output")
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,6 +236,7 @@ class _Tasks:
     start: np.ndarray     # [S + 1] queries of side s: start[s]:start[s + 1]
     codes: list           # [S] tuple of the task's example codes
     n: np.ndarray         # [S] examples in the task
+    tokens: list | None = None  # [Q] output: the vocabulary token each query asks about
 
 
 def _held_sorted(table, mask) -> np.ndarray:
@@ -347,8 +357,8 @@ def _fires(table, keys: KeyTables, tasks: _Tasks, evaluations, rules) -> np.ndar
 
 
 def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_boot: int):
-    """Per (side, rule) evaluation: score, low, high, p [E], metrics [E], and what the paired interval needs
-    ([E] per-example sums, or per-record predictions for simulation)."""
+    """Per (side, rule) evaluation: score, low, high, p [E], metrics [E], and what the paired intervals need
+    (a dict of [E] arrays: per-example sums and nulls; simulation: observed r, nulls and bootstrap replicates)."""
     statistic = pearson_from if scorer == "simulation" else balanced_accuracy_from
     sides = np.asarray([s for s, _ in evaluations], np.int64)
     lengths = tasks.start[sides + 1] - tasks.start[sides]
@@ -371,29 +381,35 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
     totals = np.stack([part.sum(axis=0) for part in sums_list]) if sums_list else np.zeros((0, len(columns)))
     scores = np.where(sizes > 0, np.asarray(statistic(totals), np.float64), np.nan) if len(totals) else np.zeros(0)
     n_eval = len(evaluations)
-    p, metrics, paired = np.full(n_eval, np.nan), [{} for _ in range(n_eval)], [None] * n_eval
-    module = SCORERS[scorer]
+    p, metrics = np.full(n_eval, np.nan), [{} for _ in range(n_eval)]
+    nulls = np.full((n_eval, n_boot), np.nan)
     q_start = np.r_[0, np.cumsum(lengths)]
     if scorer == "simulation":
-        low, high = np.full(n_eval, np.nan), np.full(n_eval, np.nan)
-        for e in range(n_eval):
+        # the simulation scorer's evaluate, its parts over all evaluations: the record-permutation null and the
+        # bootstrap replicates per evaluation, their quantiles, intervals and p-values at once
+        observed, replicates = np.full(n_eval, np.nan), np.full((n_eval, n_boot), np.nan)
+        for e in np.argsort(sides, kind="stable").tolist():  # a side's evaluations in a row share its permutations
             if sizes[e] == 0:
                 continue
             part = slice(q_start[e], q_start[e + 1])
             cuts = np.flatnonzero(np.r_[True, np.diff(group[part]) != 0, True])
             records = [x[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
             truths = [y[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-            task = Task(scorer=scorer, queries=(None,) * len(records), truth=tuple(truths),
-                        group=tuple(range(len(records))), codes=())
-            result = module.evaluate(task, records, seed=seed, n_boot=n_boot)
-            low[e], high[e], p[e], metrics[e] = result.low, result.high, result.p, result.metrics
-            paired[e] = (task, records)
-        return scores, low, high, p, metrics, paired
+            observed[e], nulls[e] = record_permutation(records, truths, n_perm=n_boot, seed=seed)
+            replicates[e] = pearson_from(resample_counts(int(sizes[e]), n_boot, seed) @ sums_list[e])
+            predicted, truth = x[part], y[part]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                metrics[e] = {"rsquared": float(1 - np.mean((truth - predicted) ** 2) / np.mean(truth ** 2)),
+                              "absolute_dev_explained": float(1 - np.mean(np.abs(truth - predicted))
+                                                              / np.mean(np.abs(truth)))}
+        low, high = hulls(row_quantiles(replicates), shifted_intervals(scores, nulls, chance=0.0, fisher=True),
+                          bounds=(-1.0, 1.0))
+        p = permutation_ps(observed, nulls)
+        return scores, low, high, p, metrics, dict(observed=observed, nulls=nulls, replicates=replicates)
     # classification: the nulls of all tasks with the same number of queries in one product (equal, row by row,
     # to classification_null's), the bootstrap intervals by bootstrap_many, the rest per task from the totals
     low, high = bootstrap_many(balanced_accuracy_from, sums_list, n_boot=n_boot, seed=seed, exact_sums=True)
     swap = scorer == "fuzzing"
-    nulls = [None] * n_eval
     by_size: dict[int, list[int]] = {}
     for e in range(n_eval):
         if sizes[e]:
@@ -404,28 +420,40 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
             truth = np.stack([t[q_start[e]:q_start[e + 1]] for e in batch])
             answers = np.stack([fires[q_start[e]:q_start[e + 1]] for e in batch])
             group = tasks.group[query[q_start[batch[0]]:q_start[batch[0] + 1]]]
-            for e, null in zip(batch, classification_nulls(truth, answers, group, swap=swap, n_perm=n_boot, seed=seed)):
-                nulls[e] = null
+            nulls[batch] = classification_nulls(truth, answers, group, swap=swap, n_perm=n_boot, seed=seed)
     for e in range(n_eval):
-        if sizes[e] == 0:
-            continue
-        totals_e = totals[e]
-        metrics_e = classification_metrics(totals_e)
+        metrics_e = classification_metrics(totals[e])
         metrics[e] = {"precision": float(metrics_e["precision"]), "recall": float(metrics_e["recall"]),
                       "f1": float(metrics_e["f1"]), "auc": float(scores[e])}
-        p[e] = swap_p(sums_list[e]) if swap else hypergeometric_p(totals_e)
-        low[e], high[e] = hull((low[e], high[e]), shifted_interval(float(scores[e]), nulls[e], chance=0.5),
-                               bounds=(0.0, 1.0))
-        part = slice(q_start[e], q_start[e + 1])
-        paired[e] = (sums_list[e], nulls[e], float(scores[e]), fires[part])
-    return scores, low, high, p, metrics, paired
+        if sizes[e]:
+            p[e] = swap_p(sums_list[e]) if swap else hypergeometric_p(totals[e])
+    low, high = hulls((low, high), shifted_intervals(scores, nulls, chance=0.5), bounds=(0.0, 1.0))
+    return scores, low, high, p, metrics, dict(sums=sums_list, nulls=nulls)
 
 
-def _paired_classification(own, base, *, seed: int, n_boot: int) -> tuple[float, float]:
-    """:func:`~kvmem.autointerp.scorers.base.paired_classification` from what :func:`_evaluate` kept of a side's
-    evaluation and its baseline's (per-example sums, null, score): the same draws, so the same interval."""
-    boot = paired_bootstrap(balanced_accuracy_from, own[0], base[0], n_boot=n_boot, seed=seed)
-    return hull(boot, shifted_interval(own[2] - base[2], own[1] - base[1], chance=0.0), bounds=(-1.0, 1.0))
+def _output_tasks(table) -> _Tasks:
+    """The output scorer's tasks of all sides: each side's held-out written tokens (truth: written) then its
+    held-out opposed ones (truth: not), one query and one example each; codes are their token ids."""
+    tokens, truth, codes, n = [], [], [], []
+    for written, opposed in zip(table.held_writes, table.held_opposes):
+        held = [(t, True) for t in written] + [(t, False) for t in opposed]
+        tokens.extend(t.token for t, _ in held)
+        truth.extend(w for _, w in held)
+        codes.append(tuple(t.id for t, _ in held))
+        n.append(len(held))
+    n = np.asarray(n, np.int64)
+    start = np.r_[0, np.cumsum(n)]
+    group = np.arange(int(start[-1])) - np.repeat(start[:-1], n)
+    return _Tasks(example=np.repeat(np.arange(len(n)), n), position=group, truth=np.asarray(truth, bool),
+                  group=group, start=start, codes=codes, n=n, tokens=tokens)
+
+
+def _writes(tasks: _Tasks, evaluations, rules) -> np.ndarray:
+    """Whether each rule's ``writes`` hold each queried token (the tokens judge's output answer), per evaluation."""
+    out = []
+    for s, r in evaluations:
+        out.extend(rules[r].writes_token(t) for t in tasks.tokens[tasks.start[s]:tasks.start[s + 1]])
+    return np.asarray(out, bool)
 
 
 def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rules_of_rows: list,
@@ -436,29 +464,40 @@ def score_layer(table, keys: KeyTables, scorer: str, rows_side: np.ndarray, rule
     (None: no baseline). Equal to the scorer module's ``build`` + ``TokensJudge`` + ``evaluate`` per row."""
     if scorer not in FAST_SCORERS:
         raise KvmemError(f"unknown scorer {scorer!r}; choose from {', '.join(FAST_SCORERS)}")
-    tasks = _tasks(table, scorer, per_band=per_band, seed=seed, max_quiet=max_quiet)
+    if scorer == "output":
+        tasks = _output_tasks(table)
+    else:
+        tasks = _tasks(table, scorer, per_band=per_band, seed=seed, max_quiet=max_quiet)
     compiled, index = [], {}
     for rule in list(rules_of_rows) + [r for r in borrowed_rules if r is not None]:
         if id(rule) not in index:
             index[id(rule)] = len(compiled)
-            compiled.append(keys.rule_keys(rule))
+            compiled.append(rule if scorer == "output" else keys.rule_keys(rule))
     evaluations = [(int(s), index[id(r)]) for s, r in zip(rows_side, rules_of_rows)]
-    with_base = [i for i, r in enumerate(borrowed_rules) if r is not None]
+    with_base = np.asarray([i for i, r in enumerate(borrowed_rules) if r is not None], np.int64)
     evaluations += [(int(rows_side[i]), index[id(borrowed_rules[i])]) for i in with_base]
-    fired = _fires(table, keys, tasks, evaluations, compiled)
-    score, low, high, p, metrics, paired = _evaluate(scorer, tasks, evaluations, fired, seed=seed, n_boot=n_boot)
+    if scorer == "output":
+        fired = _writes(tasks, evaluations, compiled)
+    else:
+        fired = _fires(table, keys, tasks, evaluations, compiled)
+    score, low, high, p, metrics, kept = _evaluate(scorer, tasks, evaluations, fired, seed=seed, n_boot=n_boot)
     n_rows = len(rows_side)
     base, base_low, base_high, diff_low, diff_high = (np.full(n_rows, np.nan) for _ in range(5))
     base[with_base], base_low[with_base], base_high[with_base] = score[n_rows:], low[n_rows:], high[n_rows:]
-    module = SCORERS[scorer]
-    for k, i in enumerate(with_base):
-        own, other = paired[i], paired[n_rows + k]
-        if own is None or other is None:
-            continue
-        if scorer == "simulation":
-            diff_low[i], diff_high[i] = module.paired(own[0], own[1], other[1], seed=seed, n_boot=n_boot)
-        else:
-            diff_low[i], diff_high[i] = _paired_classification(own, other, seed=seed, n_boot=n_boot)
+    # each row's score minus its baseline's: the hull of the paired bootstrap (the same draws for both) and the
+    # shift interval of the difference's null (both answer vectors re-paired by the same draws)
+    lender = n_rows + np.arange(len(with_base))
+    sized = tasks.n[np.asarray(rows_side, np.int64)[with_base]] > 0
+    own, other = with_base[sized], lender[sized]
+    observed = kept["observed"] if scorer == "simulation" else score
+    shifted = shifted_intervals(observed[own] - observed[other], kept["nulls"][own] - kept["nulls"][other], chance=0.0)
+    if scorer == "simulation":
+        boot = row_quantiles(kept["replicates"][own] - kept["replicates"][other])
+        diff_low[own], diff_high[own] = hulls(boot, shifted, bounds=(-2.0, 2.0))
+    else:
+        boot = paired_bootstrap_many(balanced_accuracy_from, [kept["sums"][i] for i in own],
+                                     [kept["sums"][i] for i in other], n_boot=n_boot, seed=seed)
+        diff_low[own], diff_high[own] = hulls(boot, shifted, bounds=(-1.0, 1.0))
     n_quiet = np.full(n_rows, -1, np.int64)
     if scorer == "detection":
         quiet = np.bincount(table.owner[tasks.example[~np.asarray(tasks.truth, bool)]], minlength=len(table.side))

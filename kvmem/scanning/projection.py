@@ -172,9 +172,10 @@ class NeuronProjector:
         self.model, self.config = model, config
         self._prepared: tuple | None = None
 
-    def tables(self, layer: int, neurons, *, only: str | None = None) -> ProjectionTables:
+    def tables(self, layer: int, neurons, *, only: str | None = None, labels=None) -> ProjectionTables:
         """The rows of ``neurons`` (ints, any order) of ``layer``, sorted as the whole tables sort them;
-        ``only``: "values" or "keys" computes that table alone (the other is then empty)."""
+        ``only``: "values" or "keys" computes that table alone (the other is then empty); ``labels``: only
+        these conventions and key vectors (None: all)."""
         import torch
 
         if only not in (None, "values", "keys"):
@@ -186,6 +187,9 @@ class NeuronProjector:
         bases, vocab = self._prepared
         if only is not None:
             projected = replace(projected, **{"keys" if only == "values" else "values": []})
+        if labels is not None:
+            projected = replace(projected, values=[v for v in projected.values if v[1] in labels],
+                                keys=[k for k in projected.keys if k[1] in labels])
         return projection_tables(self.model, [layer], self.config, projected=projected, bases=bases, vocab=vocab)
 
 

@@ -43,8 +43,11 @@ from math import comb
 
 import numpy as np
 
-__all__ = ["hypergeometric_p", "label_permutation_p", "swap_p", "sign_test_p", "record_permutation", "permutation_p", "shifted_interval",
-           "hull", "classification_null", "classification_nulls", "N_PERM"]
+from kvmem.autointerp.scorers.statistics import row_quantiles
+
+__all__ = ["hypergeometric_p", "label_permutation_p", "swap_p", "sign_test_p", "record_permutation", "permutation_p",
+           "permutation_ps", "shifted_interval", "shifted_intervals", "hull", "hulls", "classification_null",
+           "classification_nulls", "N_PERM"]
 
 N_PERM = 1000
 
@@ -52,7 +55,11 @@ N_PERM = 1000
 def hypergeometric_p(totals) -> float:
     """One-sided p of a classification's confusion totals (tp, fn, tn, fp) under label permutation; NaN when a
     class is empty. Exact, in integers: sum over x >= tp of C(P, x) C(N, k - x) / C(P + N, k), k the "yes" answers."""
-    tp, fn, tn, fp = (int(round(float(v))) for v in np.asarray(totals, np.float64))
+    return _hypergeometric_p(*(int(round(float(v))) for v in np.asarray(totals, np.float64)))
+
+
+@lru_cache(maxsize=4096)
+def _hypergeometric_p(tp: int, fn: int, tn: int, fp: int) -> float:
     positives, negatives = tp + fn, tn + fp
     if positives == 0 or negatives == 0:
         return float("nan")
@@ -136,6 +143,13 @@ def permutation_p(observed: float, null: np.ndarray) -> float:
     return float((1 + np.sum(null >= observed - 1e-12)) / (1 + len(null)))
 
 
+def permutation_ps(observed, nulls) -> np.ndarray:
+    """:func:`permutation_p` of many sides: ``observed`` [R], ``nulls`` [R, n] -> [R]."""
+    observed, nulls = np.asarray(observed, np.float64), np.asarray(nulls, np.float64)
+    hits = np.sum(nulls >= (observed - 1e-12)[:, None], axis=1)
+    return np.where(np.isfinite(observed), (1 + hits) / (1 + nulls.shape[1]), np.nan)
+
+
 def shifted_interval(observed: float, null: np.ndarray, *, chance: float, level: float = 0.95,
                      fisher: bool = False) -> tuple[float, float]:
     """The values a shift of the side's permutation null would keep: ``observed - (q - chance)`` for the null's
@@ -159,12 +173,45 @@ def shifted_interval(observed: float, null: np.ndarray, *, chance: float, level:
     return float(low), float(high)
 
 
+def shifted_intervals(observed, nulls, *, chance: float, level: float = 0.95,
+                      fisher: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`shifted_interval` of many sides: ``observed`` [R], ``nulls`` [R, n] -> (low [R], high [R]), row by row
+    equal (each row's quantiles over its finite entries, :func:`~kvmem.autointerp.scorers.statistics.row_quantiles`)."""
+    observed, nulls = np.asarray(observed, np.float64), np.asarray(nulls, np.float64)
+    nulls = np.where(np.isfinite(nulls), nulls, np.nan)  # what the one-side version drops before mapping
+    if fisher:
+        def forward(v):
+            return np.arctanh(np.clip(v, -0.999999, 0.999999))
+    else:
+        def forward(v):
+            return np.asarray(v, np.float64)
+    low_q, high_q = row_quantiles(forward(nulls), level=level)
+    at = forward(observed)
+    low, high = at - (high_q - forward(chance)), at - (low_q - forward(chance))
+    if fisher:
+        low, high = np.tanh(low), np.tanh(high)
+    bad = ~np.isfinite(observed)
+    low[bad], high[bad] = np.nan, np.nan
+    return low, high
+
+
 def hull(*intervals, bounds: tuple[float, float] = (-np.inf, np.inf)) -> tuple[float, float]:
     """The smallest interval holding every finite one of ``intervals``, cut to ``bounds``."""
     finite = [(a, b) for a, b in intervals if np.isfinite(a) and np.isfinite(b)]
     if not finite:
         return float("nan"), float("nan")
     return float(max(min(a for a, _ in finite), bounds[0])), float(min(max(b for _, b in finite), bounds[1]))
+
+
+def hulls(*intervals, bounds: tuple[float, float] = (-np.inf, np.inf)) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`hull` of many sides: each interval a pair (low [R], high [R]) -> (low [R], high [R])."""
+    lows = np.stack([np.asarray(a, np.float64) for a, _ in intervals])
+    highs = np.stack([np.asarray(b, np.float64) for _, b in intervals])
+    ok = np.isfinite(lows) & np.isfinite(highs)
+    low = np.maximum(np.where(ok, lows, np.inf).min(axis=0), bounds[0])
+    high = np.minimum(np.where(ok, highs, -np.inf).max(axis=0), bounds[1])
+    some = ok.any(axis=0)
+    return np.where(some, low, np.nan), np.where(some, high, np.nan)
 
 
 @lru_cache(maxsize=256)
@@ -174,6 +221,17 @@ def _label_orders(n: int, n_perm: int, seed: int) -> np.ndarray:
     out = np.argsort(rng.random((n_perm, n)), axis=1, kind="stable").astype(np.int32)
     out.setflags(write=False)
     return out
+
+
+@lru_cache(maxsize=4)
+def _permutation_cells(n: int, n_perm: int, seed: int) -> np.ndarray:
+    """[n * n, n_perm] float32 one-hot: cell (q, j) of permutation p is 1 when :func:`_label_orders` puts label j at
+    query q (so an outer product's entries summed over a permutation's cells are a permuted dot product)."""
+    orders = _label_orders(n, n_perm, seed)
+    cells = np.zeros((n * n, n_perm), np.float32)
+    cells[(np.arange(n)[None, :] * n + orders).ravel(), np.repeat(np.arange(n_perm), n)] = 1
+    cells.setflags(write=False)
+    return cells
 
 
 @lru_cache(maxsize=256)
@@ -209,13 +267,16 @@ def classification_nulls(truth, answers, group, *, swap: bool, n_perm: int = N_P
     once: ``truth``, ``answers`` [R, Q] bool -> [R, n_perm] (row r equals ``classification_null(truth[r], group,
     [answers[r]])[0]``: the same draws, integer counts, the same arithmetic)."""
     truth, answers = np.asarray(truth, bool), np.asarray(answers, bool)
-    if swap:
+    # every product below is of 0 / ±1 values and every sum a count under 2^24: exact in float32, in any order
+    yes, labels = answers.astype(np.float32), truth.astype(np.float32)
+    if swap:  # tp = Σ_q a_q (t_q xor f_q) = Σ_q a_q t_q + Σ_q a_q (1 - 2 t_q) f_q
         groups = np.unique(np.asarray(group), return_inverse=True)[1]
         flips = _swaps(int(groups.max()) + 1 if len(groups) else 0, n_perm, seed)[:, groups]  # [P, Q]
-        tp = np.einsum("rpq,rq->rp", (truth[:, None, :] ^ flips[None]).astype(np.float64), answers.astype(np.float64))
-    else:
-        orders = _label_orders(truth.shape[1], n_perm, seed)  # [P, Q]
-        tp = np.einsum("rpq,rq->rp", truth[:, orders].astype(np.float64), answers.astype(np.float64))
+        tp = (yes * labels).sum(axis=1, keepdims=True) + (yes * (1 - 2 * labels)) @ flips.T.astype(np.float32)
+    else:  # tp[r, p] = Σ_q a[r, q] t[r, order[p, q]]: the outer products a t^T against the permutations' cells
+        q = truth.shape[1]
+        tp = (yes[:, :, None] * labels[:, None, :]).reshape(len(truth), q * q) @ _permutation_cells(q, n_perm, seed)
+    tp = tp.astype(np.float64)
     positives = truth.sum(axis=1, keepdims=True).astype(np.float64)
     negatives = (~truth).sum(axis=1, keepdims=True).astype(np.float64)
     yes = answers.sum(axis=1, keepdims=True).astype(np.float64)

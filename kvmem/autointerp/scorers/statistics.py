@@ -18,7 +18,7 @@ from kvmem.experiments.stats import average_ranks
 
 __all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
            "moment_sums", "pearson_from", "bootstrap_many", "paired_bootstrap", "classification_metrics",
-           "rank_auc", "resample_counts", "N_BOOT", "LEVEL"]
+           "rank_auc", "resample_counts", "row_quantiles", "paired_bootstrap_many", "N_BOOT", "LEVEL"]
 
 N_BOOT = 1000
 LEVEL = 0.95
@@ -119,6 +119,26 @@ def bootstrap(statistic, sums, *, n_boot: int = N_BOOT, level: float = LEVEL, se
     return float(low), float(high)
 
 
+def row_quantiles(values, *, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """The percentile interval of each row of ``values`` [R, B] over its finite entries -> (low [R], high [R]),
+    NaN where a row has none: row by row equal to ``np.quantile(row[np.isfinite(row)], [tail, 1 - tail])``
+    (the rows without a NaN in one call along the axis, the others one at a time)."""
+    values = np.asarray(values, np.float64)
+    low, high = np.full(len(values), np.nan), np.full(len(values), np.nan)
+    if not values.size:
+        return low, high
+    tail = (1 - level) / 2
+    finite = np.isfinite(values)
+    whole = finite.all(axis=1)
+    if whole.any():
+        low[whole], high[whole] = np.quantile(values[whole], [tail, 1 - tail], axis=1)
+    for r in np.flatnonzero(~whole):
+        kept = values[r][finite[r]]
+        if len(kept):
+            low[r], high[r] = np.quantile(kept, [tail, 1 - tail])
+    return low, high
+
+
 def bootstrap_many(statistic, sums_list, *, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0,
                    exact_sums: bool = False, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """:func:`bootstrap` of many tasks at once: ``sums_list`` [R] of per-group sums [G_r, k] -> (low [R], high [R]),
@@ -126,7 +146,6 @@ def bootstrap_many(statistic, sums_list, *, n_boot: int = N_BOOT, level: float =
     one batched product when ``exact_sums`` (integer-valued sums, so the order of additions cannot matter), else
     one product per task as in :func:`bootstrap`; statistics and quantiles run for ``batch`` tasks at once."""
     low, high = np.full(len(sums_list), np.nan), np.full(len(sums_list), np.nan)
-    tail = (1 - level) / 2
     by_size: dict[int, list[int]] = {}
     for i, sums in enumerate(sums_list):
         if len(sums):
@@ -144,16 +163,28 @@ def bootstrap_many(statistic, sums_list, *, n_boot: int = N_BOOT, level: float =
                 for r, i in enumerate(members):
                     replicates[:, r, :] = (counts @ np.asarray(sums_list[i], np.float64)).T
             values = np.asarray(statistic(np.moveaxis(replicates, 0, -1)), np.float64)  # [R, B]
-            finite = np.isfinite(values)
-            whole = finite.all(axis=1)
-            if whole.any():
-                bounds = np.quantile(values[whole], [tail, 1 - tail], axis=1)
-                index = np.asarray(members)[whole]
-                low[index], high[index] = bounds[0], bounds[1]
-            for r in np.flatnonzero(~whole):
-                kept = values[r][finite[r]]
-                if len(kept):
-                    low[members[r]], high[members[r]] = np.quantile(kept, [tail, 1 - tail])
+            low[members], high[members] = row_quantiles(values, level=level)
+    return low, high
+
+
+def paired_bootstrap_many(statistic, sums_a, sums_b, *, n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0,
+                          batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`paired_bootstrap` of many pairs of integer-valued per-group sums (``sums_a[r]``, ``sums_b[r]`` [G_r, k],
+    confusion counts) at once -> (low [R], high [R]), equal pair by pair: pairs with the same G share one draw
+    matrix and one batched product (integer sums: the order of additions cannot matter)."""
+    low, high = np.full(len(sums_a), np.nan), np.full(len(sums_a), np.nan)
+    by_size: dict[int, list[int]] = {}
+    for i, (a, b) in enumerate(zip(sums_a, sums_b)):
+        if len(a) and len(b) == len(a):
+            by_size.setdefault(len(a), []).append(i)
+    for n, all_members in by_size.items():
+        counts = resample_counts(n, n_boot, seed)
+        for begin in range(0, len(all_members), batch):
+            members = all_members[begin:begin + batch]
+            a = counts @ np.stack([np.asarray(sums_a[i], np.float64) for i in members])  # [R, B, k]
+            b = counts @ np.stack([np.asarray(sums_b[i], np.float64) for i in members])
+            values = np.asarray(statistic(a), np.float64) - np.asarray(statistic(b), np.float64)
+            low[members], high[members] = row_quantiles(values, level=level)
     return low, high
 
 
