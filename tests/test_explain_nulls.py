@@ -18,7 +18,10 @@ from kvmem.autointerp.judges import TokensJudge
 from kvmem.autointerp.scorers import detection, fuzzing, output, simulation
 from kvmem.autointerp.scorers.base import Query, Task
 from kvmem.autointerp.scorers.nulls import (
+    _label_orders,
+    _swaps,
     classification_null,
+    classification_nulls,
     hypergeometric_p,
     record_permutation,
     sign_test_p,
@@ -172,6 +175,32 @@ def test_classification_null_keeps_the_class_sizes():
     pairs = [True, False] * 3
     swapped = classification_null(pairs, [0, 0, 1, 1, 2, 2], [pairs], swap=True, n_perm=400, seed=1)
     assert set(np.round(swapped[0], 9)) <= {0.0, round(1 / 3, 9), round(2 / 3, 9), 1.0}
+
+
+@pytest.mark.parametrize("queries", [6, 40, 62])  # the one-hot product up to 48 queries, a gather beyond
+@pytest.mark.parametrize("swap", [False, True])
+def test_many_sides_nulls_equal_a_loop_over_their_draws(queries, swap):
+    rng = np.random.default_rng(queries)
+    truth = rng.random((5, queries)) < 0.4
+    truth[:, :2] = [True, False]  # both classes in every row
+    if swap:  # fuzzing: each example asked twice, once where it fires and once where it does not
+        queries -= queries % 2
+        truth = np.repeat(rng.random((5, queries // 2)) < 0.5, 2, axis=1)
+        truth[:, 1::2] = ~truth[:, ::2]
+    answers = rng.random((5, queries)) < 0.5
+    group = np.repeat(np.arange(queries // 2), 2) if swap else np.arange(queries)
+    many = classification_nulls(truth, answers, group, swap=swap, n_perm=300, seed=4)
+    draws = _swaps(int(group.max()) + 1, 300, 4) if swap else _label_orders(queries, 300, 4)
+    for r in range(5):
+        np.testing.assert_array_equal(many[r], classification_null(truth[r], group, [answers[r]], swap=swap,
+                                                                   n_perm=300, seed=4)[0])
+        positives, negatives = truth[r].sum(), (~truth[r]).sum()
+        for p in range(0, 300, 37):  # balanced accuracy against the re-paired labels, counted one query at a time
+            labels = [truth[r][q] ^ draws[p][group[q]] for q in range(queries)] if swap else \
+                [truth[r][draws[p][q]] for q in range(queries)]
+            tp = sum(1 for q in range(queries) if labels[q] and answers[r][q])
+            tn = sum(1 for q in range(queries) if not labels[q] and not answers[r][q])
+            assert many[r][p] == (tp / positives + tn / negatives) / 2
 
 
 def _side(examples, *, held_writes=(), held_opposes=(), threshold=1.0):

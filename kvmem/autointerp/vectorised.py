@@ -388,11 +388,15 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
         # the simulation scorer's evaluate, its parts over all evaluations: the record-permutation null and the
         # bootstrap replicates per evaluation, their quantiles, intervals and p-values at once
         observed, replicates = np.full(n_eval, np.nan), np.full((n_eval, n_boot), np.nan)
-        for e in np.argsort(sides, kind="stable").tolist():  # a side's evaluations in a row share its permutations
+        cuts_of = [np.flatnonzero(np.r_[True, np.diff(group[q_start[e]:q_start[e + 1]]) != 0, True])
+                   for e in range(n_eval)]
+        # evaluations whose records have the same lengths share one set of permutations (nulls.record_permutation):
+        # taken in a row, each set is drawn once
+        for e in sorted(range(n_eval), key=lambda e: tuple(np.diff(cuts_of[e]).tolist())):
             if sizes[e] == 0:
                 continue
             part = slice(q_start[e], q_start[e + 1])
-            cuts = np.flatnonzero(np.r_[True, np.diff(group[part]) != 0, True])
+            cuts = cuts_of[e]
             records = [x[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
             truths = [y[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
             observed[e], nulls[e] = record_permutation(records, truths, n_perm=n_boot, seed=seed)
@@ -415,8 +419,8 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
         if sizes[e]:
             by_size.setdefault(int(lengths[e]), []).append(e)
     for members in by_size.values():
-        for begin in range(0, len(members), 64):
-            batch = members[begin:begin + 64]
+        for begin in range(0, len(members), 256):
+            batch = members[begin:begin + 256]
             truth = np.stack([t[q_start[e]:q_start[e + 1]] for e in batch])
             answers = np.stack([fires[q_start[e]:q_start[e + 1]] for e in batch])
             group = tasks.group[query[q_start[batch[0]]:q_start[batch[0] + 1]]]

@@ -223,7 +223,10 @@ def _label_orders(n: int, n_perm: int, seed: int) -> np.ndarray:
     return out
 
 
-@lru_cache(maxsize=4)
+_MOST_CELLS = 48  # queries up to which the one-hot product beats a gather (its cost grows with their square)
+
+
+@lru_cache(maxsize=8)
 def _permutation_cells(n: int, n_perm: int, seed: int) -> np.ndarray:
     """[n * n, n_perm] float32 one-hot: cell (q, j) of permutation p is 1 when :func:`_label_orders` puts label j at
     query q (so an outer product's entries summed over a permutation's cells are a permuted dot product)."""
@@ -273,9 +276,11 @@ def classification_nulls(truth, answers, group, *, swap: bool, n_perm: int = N_P
         groups = np.unique(np.asarray(group), return_inverse=True)[1]
         flips = _swaps(int(groups.max()) + 1 if len(groups) else 0, n_perm, seed)[:, groups]  # [P, Q]
         tp = (yes * labels).sum(axis=1, keepdims=True) + (yes * (1 - 2 * labels)) @ flips.T.astype(np.float32)
-    else:  # tp[r, p] = Σ_q a[r, q] t[r, order[p, q]]: the outer products a t^T against the permutations' cells
+    elif truth.shape[1] <= _MOST_CELLS:  # tp[r, p] = Σ_q a[r, q] t[r, order[p, q]]: a t^T on the permutations' cells
         q = truth.shape[1]
         tp = (yes[:, :, None] * labels[:, None, :]).reshape(len(truth), q * q) @ _permutation_cells(q, n_perm, seed)
+    else:
+        tp = np.einsum("rpq,rq->rp", labels[:, _label_orders(truth.shape[1], n_perm, seed)], yes)
     tp = tp.astype(np.float64)
     positives = truth.sum(axis=1, keepdims=True).astype(np.float64)
     negatives = (~truth).sum(axis=1, keepdims=True).astype(np.float64)
