@@ -18,12 +18,14 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from kvmem.atlas_origin import check_model, load_scanned_model
 from kvmem.errors import KvmemError
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from kvmem.models import Model
 
 __all__ = ["TABLES", "OnDemandProjections", "missing_table_message", "project_atlas"]
@@ -48,6 +50,7 @@ class OnDemandProjections:
         self._model: Model | None = None
         self._projector = None
         self._files: dict | None = None
+        self._entry: dict | None = None
         self._recent: OrderedDict[tuple, pa.Table] = OrderedDict()  # (table, layer, neurons) -> rows
         if model is not None:
             self.use_model(model)
@@ -56,7 +59,8 @@ class OnDemandProjections:
         """Compute with ``model`` (refused unless it has the scanned weights)."""
         check_model(self.atlas, model)
         if model is not self._model:
-            self._model, self._projector = model, None
+            self._model, self._projector, self._entry = model, None, None
+            self._recent.clear()
 
     @property
     def model(self) -> Model:
@@ -74,6 +78,15 @@ class OnDemandProjections:
     def loaded(self) -> bool:
         """Whether the scanned model is at hand (passed in, or loaded for an earlier projection)."""
         return self._model is not None
+
+    def _cached_entry(self) -> dict | None:
+        """The per-model cache's whole tables for this atlas, if some command wrote them (looked up once)."""
+        if self._entry is None:
+            from kvmem.scanning.projection import cached_projection_entry
+
+            found = cached_projection_entry(self.model, self.atlas.layers, self.atlas.manifest.config)
+            self._entry = {"found": found}
+        return self._entry["found"]
 
     def cached_file(self, table: str) -> Path:
         """The parquet file of the whole ``table`` (values | keys) for this atlas's layers and settings, from the
@@ -98,17 +111,31 @@ class OnDemandProjections:
 
         if model is not None:
             self.use_model(model)
-        if self._projector is None:
-            self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
-            self._recent.clear()
         key = (table, int(layer), tuple(sorted({int(n) for n in neurons})),
                None if labels is None else tuple(sorted(set(labels))))
         if key not in self._recent:
-            self._recent[key] = getattr(self._projector.tables(layer, key[2], only=table, labels=key[3]), table)
+            cached = self._cached_entry()
+            if cached is not None:  # the whole tables of this model and settings are in the per-model cache
+                self._recent[key] = _read_rows(cached["files"][table], table, *key[1:])
+            else:
+                if self._projector is None:
+                    self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
+                self._recent[key] = getattr(self._projector.tables(layer, key[2], only=table, labels=key[3]), table)
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
         self._recent.move_to_end(key)
         return self._recent[key]
+
+
+def _read_rows(path, table: str, layer: int, neurons: tuple, labels: tuple | None) -> pa.Table:
+    """The rows of ``neurons`` of ``layer`` (and of ``labels``, if given) in a whole projection table's file, in
+    its order (the order the rows computed on demand have)."""
+    rows = pq.read_table(path, filters=[("layer", "=", layer)])
+    keep = pc.is_in(rows.column("neuron"), pa.array(neurons, rows.schema.field("neuron").type))
+    if labels is not None:
+        keep = pc.and_(keep, pc.is_in(rows.column("convention" if table == "values" else "vector"),
+                                      pa.array(labels, pa.string())))
+    return rows.filter(keep)
 
 
 def project_atlas(atlas, *, model: Model | None = None, progress: bool = False) -> dict[str, Any]:

@@ -48,8 +48,12 @@ def test_a_lazy_scan_writes_no_projection_tables_and_records_it(pair):
         assert (lazy.path / f"{table}.parquet").read_bytes() == (eager.path / f"{table}.parquet").read_bytes()
 
 
-def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair):
+@pytest.mark.parametrize("cache", ["empty", "holding the tables"])
+def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair, cache, tmp_path, monkeypatch):
     model, eager, lazy = pair
+    if cache == "empty":  # computed from the model; otherwise read from the tables the eager scan cached
+        monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "empty-cache"))
+    lazy = kvmem.open(lazy.path)
     reopened = kvmem.open(lazy.path, model=model)  # the model passed in, and (below) loaded from the manifest
     for layer, neuron in NEURONS:
         for opened in (reopened, lazy):
@@ -74,6 +78,8 @@ def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair):
     pd.testing.assert_frame_equal(_bits(one), _bits(key_rows.reset_index(drop=True)), check_exact=True)
     record = reopened.neuron(1, 7)
     assert record.promoted() == eager.neuron(1, 7).promoted() and record.promoted()
+    for opened in (reopened, lazy):  # which way the rows came
+        assert (opened.projections._projector is None) == (cache != "empty")
 
 
 def test_whole_table_queries_read_the_models_tables_or_say_how_and_project_writes_the_eager_bytes(pair, tmp_path):

@@ -44,7 +44,8 @@ from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection_screen import METHOD, Basis, Projection, ProjectionStats, prepare_basis, project_rows
 
 __all__ = ["Projection", "ProjectionStats", "ProjectionTables", "NeuronProjector", "project_rows", "key_vectors",
-           "projected_vectors", "projection_digest", "projection_tables", "cached_projection_files"]
+           "projected_vectors", "projection_digest", "projection_tables", "cached_projection_files",
+           "cached_projection_entry"]
 
 _CACHE_VERSION = 4  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id;
 # 4: the content digest samples the vectors before the conventions are applied (same tables as 3)
@@ -284,6 +285,15 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
 
 
 _TABLES = ("values", "keys")
+
+
+def cached_projection_entry(model: Model, layers: list[int], config) -> dict | None:
+    """The per-model cache's files for these layers and settings if some earlier command wrote them (an eager
+    scan, ``kvmem project``, a whole-table query), else None: nothing is computed."""
+    key = _cache_key(model, layers, config)
+    if key is None:
+        return None
+    return _cached(cache_dir() / "projections" / key, len(layers), None)
 
 
 def _cached(directory: Path, layers: int, bar) -> dict | None:
