@@ -24,6 +24,7 @@ from kvmem.autointerp.scorers.nulls import (
     classification_nulls,
     hypergeometric_p,
     record_permutation,
+    record_permutations,
     sign_test_p,
     swap_p,
 )
@@ -175,6 +176,26 @@ def test_classification_null_keeps_the_class_sizes():
     pairs = [True, False] * 3
     swapped = classification_null(pairs, [0, 0, 1, 1, 2, 2], [pairs], swap=True, n_perm=400, seed=1)
     assert set(np.round(swapped[0], 9)) <= {0.0, round(1 / 3, 9), round(2 / 3, 9), 1.0}
+
+
+def test_many_record_permutations_equal_one_at_a_time():
+    rng = np.random.default_rng(5)
+    lengths = [4, 7, 7, 4, 7, 1]
+    n = sum(lengths)
+    predicted = np.where(rng.random((6, n)) < 0.3, 10.0, 0.0)
+    truth = rng.gamma(0.5, size=(6, n)) * rng.choice([-1.0, 1.0], size=(6, n))
+    predicted[1] = 0.0  # a constant prediction: 0 and a null of zeros
+    truth[2] = 1.5  # a constant truth: NaN
+    predicted[3], truth[3] = 10.0, 0.0  # both constant: NaN, as the one-at-a-time version checks the truth first
+    observed, nulls = record_permutations(predicted, truth, lengths, n_perm=200, seed=9)
+    cuts = np.cumsum([0] + lengths)
+    for e in range(6):
+        records = [predicted[e][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        truths = [truth[e][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        one, null = record_permutation(records, truths, n_perm=200, seed=9)
+        np.testing.assert_array_equal([observed[e]], [one])
+        np.testing.assert_array_equal(nulls[e], null)
+    assert np.isnan(observed[[2, 3]]).all() and observed[1] == 0.0 and np.isfinite(observed[[0, 4, 5]]).all()
 
 
 @pytest.mark.parametrize("queries", [6, 40, 62])  # the one-hot product up to 48 queries, a gather beyond

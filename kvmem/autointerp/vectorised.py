@@ -32,7 +32,7 @@ from kvmem.autointerp.scorers.nulls import (
     hulls,
     hypergeometric_p,
     permutation_ps,
-    record_permutation,
+    record_permutations,
     shifted_intervals,
     swap_p,
 )
@@ -388,18 +388,21 @@ def _evaluate(scorer: str, tasks: _Tasks, evaluations, fired, *, seed: int, n_bo
         # the simulation scorer's evaluate, its parts over all evaluations: the record-permutation null and the
         # bootstrap replicates per evaluation, their quantiles, intervals and p-values at once
         observed, replicates = np.full(n_eval, np.nan), np.full((n_eval, n_boot), np.nan)
-        cuts_of = [np.flatnonzero(np.r_[True, np.diff(group[q_start[e]:q_start[e + 1]]) != 0, True])
-                   for e in range(n_eval)]
-        # evaluations whose records have the same lengths share one set of permutations (nulls.record_permutation):
-        # taken in a row, each set is drawn once
-        for e in sorted(range(n_eval), key=lambda e: tuple(np.diff(cuts_of[e]).tolist())):
-            if sizes[e] == 0:
-                continue
+        records_of = {}  # record lengths -> the evaluations whose records have them (nulls.record_permutations)
+        for e in range(n_eval):
+            if sizes[e]:
+                groups = group[q_start[e]:q_start[e + 1]]
+                cuts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1], True])
+                records_of.setdefault(tuple(np.diff(cuts).tolist()), []).append(e)
+        for record_lengths, every in records_of.items():
+            for begin in range(0, len(every), 64):  # the null's gather holds members × n_boot × records floats
+                members = every[begin:begin + 64]
+                spans = [slice(q_start[e], q_start[e + 1]) for e in members]
+                observed[members], nulls[members] = record_permutations(
+                    np.stack([x[s] for s in spans]), np.stack([y[s] for s in spans]), record_lengths,
+                    n_perm=n_boot, seed=seed)
+        for e in np.flatnonzero(sizes > 0).tolist():
             part = slice(q_start[e], q_start[e + 1])
-            cuts = cuts_of[e]
-            records = [x[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-            truths = [y[part][a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-            observed[e], nulls[e] = record_permutation(records, truths, n_perm=n_boot, seed=seed)
             replicates[e] = pearson_from(resample_counts(int(sizes[e]), n_boot, seed) @ sums_list[e])
             predicted, truth = x[part], y[part]
             with np.errstate(invalid="ignore", divide="ignore"):

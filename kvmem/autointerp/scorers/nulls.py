@@ -45,7 +45,8 @@ import numpy as np
 
 from kvmem.autointerp.scorers.statistics import row_quantiles
 
-__all__ = ["hypergeometric_p", "label_permutation_p", "swap_p", "sign_test_p", "record_permutation", "permutation_p",
+__all__ = ["hypergeometric_p", "label_permutation_p", "swap_p", "sign_test_p", "record_permutation",
+           "record_permutations", "permutation_p",
            "permutation_ps", "shifted_interval", "shifted_intervals", "hull", "hulls", "classification_null",
            "classification_nulls", "N_PERM"]
 
@@ -133,6 +134,44 @@ def record_permutation(predicted, truth, *, n_perm: int = N_PERM, seed: int = 0)
     denominator = np.sqrt(vx * vy)
     observed = float(np.clip((np.trace(dots) / n - mx * my) / denominator, -1, 1))
     return observed, np.clip((cross / n - mx * my) / denominator, -1, 1)
+
+
+def record_permutations(predicted, truth, lengths, *, n_perm: int = N_PERM, seed: int = 0
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`record_permutation` of E evaluations whose records have the same ``lengths`` [G] (their tokens laid
+    end to end: ``predicted``, ``truth`` [E, sum(lengths)]) -> (observed [E], nulls [E, n_perm]), row by row the
+    same numbers: the same padded arrays, products, sums and permutations, one batched call each."""
+    predicted, truth = np.asarray(predicted, np.float64), np.asarray(truth, np.float64)
+    lengths = np.asarray(lengths, np.int64)
+    e, g = predicted.shape[0], len(lengths)
+    observed, nulls = np.full(e, np.nan), np.full((e, n_perm), np.nan)
+    if g == 0 or e == 0:
+        return observed, nulls[:, :0] if g == 0 else nulls
+    width = int(lengths.max())
+    record = np.repeat(np.arange(g), lengths)
+    offset = np.arange(len(record)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    x = np.zeros((e, g, width))
+    y = np.zeros((e, g, width))
+    x[:, record, offset] = predicted
+    y[:, record, offset] = truth
+    n = float(lengths.sum())
+    mx, my = x.reshape(e, -1).sum(axis=1) / n, y.reshape(e, -1).sum(axis=1) / n
+    vx = np.maximum((x * x).reshape(e, -1).sum(axis=1) / n - mx * mx, 0.0)
+    vy = np.maximum((y * y).reshape(e, -1).sum(axis=1) / n - my * my, 0.0)
+    scale = np.maximum(np.abs(mx) + np.abs(my), 1.0) ** 2 * 1e-12
+    undefined = vy <= scale  # a constant truth: NaN
+    flat = (vx <= scale) & ~undefined  # a constant prediction: 0
+    observed[flat], nulls[flat] = 0.0, 0.0
+    ok = ~undefined & ~flat
+    if ok.any():
+        x, y, mx, my = x[ok], y[ok], mx[ok], my[ok]
+        dots = x @ y.transpose(0, 2, 1)  # [E, G, G]
+        perms = _permutations(tuple(lengths.tolist()), n_perm, seed)
+        cross = dots[:, perms, np.arange(g)[None, :]].sum(axis=2)  # [E, P]
+        denominator = np.sqrt(vx[ok] * vy[ok])
+        observed[ok] = np.clip((np.trace(dots, axis1=1, axis2=2) / n - mx * my) / denominator, -1, 1)
+        nulls[ok] = np.clip((cross / n - (mx * my)[:, None]) / denominator[:, None], -1, 1)
+    return observed, nulls
 
 
 def permutation_p(observed: float, null: np.ndarray) -> float:
