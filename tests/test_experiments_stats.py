@@ -83,6 +83,26 @@ def test_bootstrap_draws_kept_for_the_next_call_give_numpys_own_replicates():
                                                                   rel=1e-12, abs=0)
 
 
+@pytest.mark.parametrize("statistic", ["median", 0.25, 0.9])
+def test_grouped_quantile_bootstrap_is_the_quantile_of_each_resampled_sample(statistic):
+    """Each replicate resamples whole groups (numpy's multinomial draws for the seed); its statistic is the quantile
+    of the resampled values, every value repeated by its group's count times its integer weight (numpy's
+    averaged inverted CDF: the median of an even sample is the mean of its middle two)."""
+    rng = np.random.default_rng(11)
+    values = rng.integers(1, 40, 900).astype(np.float64)  # many ties, as ranks have
+    groups = rng.integers(0, 120, 900)
+    weights = rng.integers(1, 4, 900).astype(np.float64)
+    counts = np.random.default_rng(7).multinomial(120, np.full(120, 1 / 120), size=300)
+    q = 0.5 if statistic == "median" else statistic
+    for w in (None, weights):
+        each = np.ones(900, np.int64) if w is None else w.astype(np.int64)
+        replicates = [np.quantile(np.repeat(values, c[groups] * each), q, method="averaged_inverted_cdf")
+                      for c in counts]
+        expected = tuple(np.quantile(replicates, [0.025, 0.975]).tolist())
+        got = bootstrap_ci(values, groups=groups, weights=w, statistic=statistic, n_boot=300, seed=7)
+        assert got == pytest.approx(expected, rel=1e-12, abs=0)
+
+
 def test_bootstrap_weighted_mean_and_median():
     # weights make it a ratio of sums; a single group is always drawn whole
     assert bootstrap_ci([0.5], weights=[10], n_boot=20) == (0.5, 0.5)

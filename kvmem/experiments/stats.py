@@ -79,6 +79,43 @@ def _statistic(values: np.ndarray, weights: np.ndarray, statistic: Any) -> np.nd
     return (values[low] + values[high]) / 2  # as np.median when the weight splits exactly in half
 
 
+def _quantile_by_blocks(values: np.ndarray, weights: np.ndarray, group_ids: np.ndarray, counts: np.ndarray,
+                        statistic: Any, block: int = 256) -> np.ndarray:
+    """:func:`_statistic` of the replicates ``counts`` [B, groups] for integer-valued ``weights``, without the
+    [B, N] cumulative weights: each block of ``block`` sorted values sums its weight per replicate in one
+    product (counts @ the block's weight per group), a search over the block totals finds the block where the
+    quantile's weight is reached, and only that block is summed value by value. The weights are integers,
+    so every sum is exact in any order and the same positions are found."""
+    n, n_groups = len(values), counts.shape[1]
+    counts = np.asarray(counts, np.float64).copy()
+    per_block = np.zeros((n_groups, -(-n // block)))
+    np.add.at(per_block, (group_ids, np.arange(n) // block), weights)
+    empty = (counts @ per_block).sum(axis=1) == 0
+    counts[empty] = 1.0  # a replicate with no weight left: the sample itself (as _statistic's callers do)
+    ends = np.cumsum(counts @ per_block, axis=1)  # [B, blocks]: cumulative weight at each block's end
+    q = 0.5 if statistic == "median" else float(statistic)
+    target = q * ends[:, -1]
+    rows = np.arange(len(counts))
+
+    def first(bound: np.ndarray, strict: bool) -> np.ndarray:
+        """[B] the first position whose cumulative weight reaches ``bound`` (passes it, if ``strict``); n if none."""
+        def reached(cumulative, at):
+            return cumulative > at if strict else cumulative >= at
+
+        in_block = np.argmax(reached(ends, bound[:, None]), axis=1)  # the first block that gets there
+        found = reached(ends[rows, in_block], bound)
+        before = np.where(in_block > 0, ends[rows, np.maximum(in_block - 1, 0)], 0.0)
+        span = np.minimum(np.arange(block)[None, :] + (in_block * block)[:, None], n - 1)  # that block's positions
+        step = counts[rows[:, None], group_ids[span]] * weights[span]
+        step[span < np.arange(block)[None, :] + (in_block * block)[:, None]] = 0.0  # past the last value
+        at = np.argmax(reached(before[:, None] + np.cumsum(step, axis=1), bound[:, None]), axis=1)
+        return np.where(found, in_block * block + at, n)
+
+    low, high = first(target - 1e-9, strict=False), first(target + 1e-9, strict=True)
+    low[low == n], high[high == n] = 0, 0
+    return (values[low] + values[high]) / 2
+
+
 def bootstrap_ci(values: Sequence[float], *, groups: Sequence[Any] | None = None,
                  weights: Sequence[float] | None = None, statistic: str | float = "mean", n_boot: int = 1000,
                  level: float = 0.95, seed: int = 0) -> tuple[float, float]:
@@ -109,7 +146,12 @@ def bootstrap_ci(values: Sequence[float], *, groups: Sequence[Any] | None = None
     out = np.empty(n_boot)
     chunk = max(1, int(4e6 // len(values)))
     start = 0
+    whole = statistic != "mean" and bool(np.all(weights == np.round(weights))) and weights.sum() < 2**40
     for counts in _resampled_counts(seed, n_groups, n_boot, chunk):  # [b, groups]
+        if whole:  # integer weights: every cumulative weight is an exact integer, so blocks can sum them
+            out[start:start + len(counts)] = _quantile_by_blocks(values, weights, group_ids, counts, statistic)
+            start += len(counts)
+            continue
         stop = start + len(counts)
         element = counts[:, group_ids] * weights[None]  # [b, N]
         empty = element.sum(axis=1) == 0

@@ -76,9 +76,14 @@ def label_permutation_p(sums) -> float:
 
 def sign_test_p(right: int, decided: int) -> float:
     """P(Binomial(decided, 1/2) >= right), exact; 1.0 when nothing was decided."""
+    return _sign_test_p(int(right), int(decided))
+
+
+@lru_cache(maxsize=4096)
+def _sign_test_p(right: int, decided: int) -> float:
     if decided <= 0:
         return 1.0
-    return float(Fraction(sum(comb(int(decided), x) for x in range(int(right), int(decided) + 1)), 2 ** int(decided)))
+    return float(Fraction(sum(comb(decided, x) for x in range(right, decided + 1)), 2 ** decided))
 
 
 def swap_p(sums) -> float:
