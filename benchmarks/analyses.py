@@ -55,8 +55,11 @@ GROWTH = {
                           "atlas: parameters", "params"),
     "lm-quality": ("a forward over the scanned text per BOS choice: parameters × atlas tokens", "params"),
     "taxonomy": ("neurons × vocab × d_model (vocabulary moments of every value) + atlas rows", "neurons*vocab*d_model"),
-    "explain": ("neurons × sides × kept examples (token rules from the atlas)", "neurons"),
-    "score": ("neurons × sides × held-out examples (token judge), bootstrap per neuron", "neurons"),
+    "explain": ("neurons × sides × kept examples (token rules from the atlas) + neurons × vocab × d_model (each "
+                "value's written tokens, projected on demand unless the per-model cache holds the tables)",
+                "neurons*vocab*d_model"),
+    "score": ("neurons × sides × (held-out examples + bootstrap replicates and permutations; token judge) + the "
+              "written tokens' projection, as explain", "neurons"),
 }
 
 
