@@ -1,8 +1,8 @@
 """``explain(atlas, ...)`` writes explanations (``score``, in :mod:`kvmem.autointerp.scoring`, scores them).
 
 Both read the atlas through its public queries (:mod:`kvmem.autointerp.evidence`) and write
-``explanations.parquet`` (:mod:`kvmem.autointerp.store`) chunk by chunk, so a killed run keeps every
-finished chunk; LLM answers are journaled one by one in ``explanations.journal.jsonl`` beside it, so
+``explanations.parquet`` (:mod:`kvmem.autointerp.store`) as they go (explain after every chunk, score at
+most every 20 seconds), so a killed run keeps what was stored; LLM answers are journaled one by one in ``explanations.journal.jsonl`` beside it, so
 a rerun asks nothing twice. Every choice that changes a number (split seed and fraction, examples
 per band, bootstrap replicates, judge and its prompts) is stored in the row beside the number.
 """
