@@ -116,7 +116,11 @@ class OnDemandProjections:
         if key not in self._recent:
             cached = self._cached_entry()
             if cached is not None:  # the whole tables of this model and settings are in the per-model cache
-                self._recent[key] = _read_rows(cached["files"][table], table, *key[1:])
+                rows = _read_rows(cached["files"][table], key[1], key[2])
+                if labels is not None:
+                    label = rows.column("convention" if table == "values" else "vector")
+                    rows = rows.filter(pc.is_in(label, pa.array(key[3], pa.string())))
+                self._recent[key] = rows
             else:
                 if self._projector is None:
                     self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
@@ -127,15 +131,11 @@ class OnDemandProjections:
         return self._recent[key]
 
 
-def _read_rows(path, table: str, layer: int, neurons: tuple, labels: tuple | None) -> pa.Table:
-    """The rows of ``neurons`` of ``layer`` (and of ``labels``, if given) in a whole projection table's file, in
-    its order (the order the rows computed on demand have)."""
+def _read_rows(path, layer: int, neurons: tuple) -> pa.Table:
+    """The rows of ``neurons`` of ``layer`` in a whole projection table's file, in its order (the order of the rows
+    computed on demand)."""
     rows = pq.read_table(path, filters=[("layer", "=", layer)])
-    keep = pc.is_in(rows.column("neuron"), pa.array(neurons, rows.schema.field("neuron").type))
-    if labels is not None:
-        keep = pc.and_(keep, pc.is_in(rows.column("convention" if table == "values" else "vector"),
-                                      pa.array(labels, pa.string())))
-    return rows.filter(keep)
+    return rows.filter(pc.is_in(rows.column("neuron"), pa.array(neurons, rows.schema.field("neuron").type)))
 
 
 def project_atlas(atlas, *, model: Model | None = None, progress: bool = False) -> dict[str, Any]:
