@@ -7,7 +7,10 @@ the bit: :class:`kvmem.scanning.projection.NeuronProjector`), from the model the
 with its fingerprint checked, :func:`kvmem.atlas_origin.load_scanned_model`) or one passed in (checked the
 same way). A query that needs a whole table (``top_neurons(by="value")``, the taxonomy, the experiments) reads the
 model's tables from the per-model projection cache, computed once with the scanned model
-(:meth:`OnDemandProjections.cached_file`); where the model cannot load it says in one line how to write them. torch is imported only when a projection
+(:meth:`OnDemandProjections.cached_file`); where the model cannot load it says in one line how to write them.
+Rows on demand are read from those tables when some command wrote them, and a whole layer's rows computed
+on demand are kept in the same cache for the next command
+(:func:`~kvmem.scanning.projection.cached_layer_rows`). torch is imported only when a projection
 is computed.
 """
 
@@ -107,7 +110,7 @@ class OnDemandProjections:
         """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order; ``labels``:
         only these conventions (values) or vectors (keys) are computed (None: all). The last few answers are
         kept (an analysis reads a layer's values more than once)."""
-        from kvmem.scanning.projection import NeuronProjector
+        from kvmem.scanning.projection import NeuronProjector, cached_layer_rows
 
         if model is not None:
             self.use_model(model)
@@ -122,9 +125,16 @@ class OnDemandProjections:
                     rows = rows.filter(pc.is_in(label, pa.array(key[3], pa.string())))
                 self._recent[key] = rows
             else:
-                if self._projector is None:
-                    self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
-                self._recent[key] = getattr(self._projector.tables(layer, key[2], only=table, labels=key[3]), table)
+                def compute():
+                    if self._projector is None:
+                        self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
+                    return getattr(self._projector.tables(layer, key[2], only=table, labels=key[3]), table)
+
+                if len(key[2]) == self.atlas.d_ff:  # a whole layer (explain, score): kept in the per-model cache
+                    self._recent[key] = cached_layer_rows(self.model, int(layer), self.atlas.manifest.config, table,
+                                                          key[3], compute)
+                else:
+                    self._recent[key] = compute()
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
         self._recent.move_to_end(key)

@@ -82,6 +82,22 @@ def test_rows_on_demand_equal_the_eager_tables_bit_for_bit(pair, cache, tmp_path
         assert (opened.projections._projector is None) == (cache != "empty")
 
 
+def test_a_whole_layer_computed_on_demand_is_kept_for_the_next_reader(pair, tmp_path, monkeypatch):
+    model, eager, lazy = pair
+    monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "cache"))  # no whole tables: each layer computed, then kept
+    stored = pq.read_table(eager.path / "values.parquet").to_pandas()
+    want = stored[(stored.layer == 1) & (stored.convention == "final_norm")].reset_index(drop=True)
+    every = list(range(lazy.d_ff))
+    first = kvmem.open(lazy.path, model=model)
+    got = first.projection_rows("values", 1, every, labels=["final_norm"]).to_pandas()
+    assert first.projections._projector is not None and len(list((tmp_path / "cache").rglob("values.parquet"))) == 1
+    second = kvmem.open(lazy.path, model=model)  # another reader, as the next command: reads what the first kept
+    again = second.projection_rows("values", 1, every, labels=["final_norm"]).to_pandas()
+    assert second.projections._projector is None
+    for frame in (got, again):
+        pd.testing.assert_frame_equal(_bits(frame), _bits(want), check_exact=True)
+
+
 def test_whole_table_queries_read_the_models_tables_or_say_how_and_project_writes_the_eager_bytes(pair, tmp_path):
     """A lazily scanned atlas answers queries over every neuron's value from the scanned model's tables (the
     per-model projection cache), equal to an eager scan's; where the model cannot load it says in one line how

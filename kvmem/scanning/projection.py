@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from torch import Tensor
 
 from kvmem.atomic import staged_directory, waited_lock
@@ -45,7 +46,7 @@ from kvmem.scanning.projection_screen import METHOD, Basis, Projection, Projecti
 
 __all__ = ["Projection", "ProjectionStats", "ProjectionTables", "NeuronProjector", "project_rows", "key_vectors",
            "projected_vectors", "projection_digest", "projection_tables", "cached_projection_files",
-           "cached_projection_entry"]
+           "cached_projection_entry", "cached_layer_rows"]
 
 _CACHE_VERSION = 4  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id;
 # 4: the content digest samples the vectors before the conventions are applied (same tables as 3)
@@ -294,6 +295,29 @@ def cached_projection_entry(model: Model, layers: list[int], config) -> dict | N
     if key is None:
         return None
     return _cached(cache_dir() / "projections" / key, len(layers), None)
+
+
+def cached_layer_rows(model: Model, layer: int, config, table: str, labels: tuple | None, compute) -> pa.Table:
+    """A whole layer's rows of ``table`` (of ``labels``; None: all) from the per-model cache, or ``compute()``d and
+    cached now (so the next command that reads the layer, an explain then a score, does not compute it again).
+    Each entry is a directory renamed into place whole; an unreadable entry is computed again."""
+    key = _cache_key(model, [layer], config)
+    if key is None:
+        return compute()
+    directory = cache_dir() / "projections" / "layers" / f"{key}-{table}-{'+'.join(labels) if labels else 'all'}"
+    path = directory / f"{table}.parquet"
+    if path.exists():
+        try:
+            return pq.read_table(path)
+        except (OSError, pa.ArrowException):  # damaged (a full disk): computed again below
+            pass
+    rows = compute()
+    try:
+        with staged_directory(directory) as tmp:
+            write_parquet(tmp / f"{table}.parquet", rows)
+    except OSError:  # a read-only or full cache: the rows are still returned
+        pass
+    return rows
 
 
 def _cached(directory: Path, layers: int, bar) -> dict | None:
