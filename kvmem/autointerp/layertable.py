@@ -7,7 +7,7 @@ samples; a position kept twice is one example, the first), the same bands, activ
 flags and split. Contexts are not copied per example: an example points at a row of
 :class:`Contexts`, the atlas's ``contexts`` table read once per run, whose tokens are integer ids
 (of the raw token and of its :func:`~kvmem.autointerp.token_rules.normalize` form) padded to a width W.
-:mod:`kvmem.autointerp.vectorised` explains and scores from these arrays;
+:mod:`kvmem.autointerp.vectorised` explains and :mod:`kvmem.autointerp.array_scores` scores from these arrays;
 :meth:`LayerExamples.sides` turns them back into ``SideEvidence`` for the LLM explainers and judges.
 
 Atlas format 3 (``contexts.parquet``, :mod:`kvmem.schema`) is read directly;

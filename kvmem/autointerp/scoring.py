@@ -22,6 +22,7 @@ import pandas as pd
 
 from kvmem.autointerp import store
 from kvmem.autointerp.api import JOURNAL, backend_options, explain
+from kvmem.autointerp.array_scores import FAST_SCORERS, score_layer
 from kvmem.autointerp.bulk import layer_evidence
 from kvmem.autointerp.explainers import BackendOptions, get_judge
 from kvmem.autointerp.judges import TokensJudge, rule_of
@@ -31,7 +32,7 @@ from kvmem.autointerp.scorers import get_scorers
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, PROTOCOLS
 from kvmem.autointerp.scorers.statistics import N_BOOT
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, split_window
-from kvmem.autointerp.vectorised import FAST_SCORERS, KeyTables, score_layer
+from kvmem.autointerp.vectorised import KeyTables
 from kvmem.errors import KvmemError
 from kvmem.experiments.atlas_inputs import as_atlas
 from kvmem.experiments.signed_memories import SIDES
@@ -292,7 +293,7 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
                   judge_label: str, seed: int, per_band: int, max_quiet: int | None, n_boot: int,
                   min_quiet: int, storer: _Storer) -> None:
     """The tokens judge's scores of ``rows`` into ``scored``, a layer at a time on arrays
-    (:func:`kvmem.autointerp.vectorised.score_layer`; equal to :func:`_score_sides`), stored as they go."""
+    (:func:`kvmem.autointerp.array_scores.score_layer`; equal to :func:`_score_sides`), stored as they go."""
     keys = KeyTables.build(contexts)
     parsed: dict[str, object] = {}
     rules = [parsed.get(r.rule) or parsed.setdefault(r.rule, rule_of(r)) for r in rows.itertuples(index=False)]

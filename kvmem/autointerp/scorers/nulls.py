@@ -194,6 +194,11 @@ def permutation_ps(observed, nulls) -> np.ndarray:
     return np.where(np.isfinite(observed), (1 + hits) / (1 + nulls.shape[1]), np.nan)
 
 
+def _scale(v, fisher: bool):
+    """The scale a shift interval is taken on: Fisher's z of a correlation, or the score itself."""
+    return np.arctanh(np.clip(v, -0.999999, 0.999999)) if fisher else np.asarray(v, np.float64)
+
+
 def shifted_interval(observed: float, null: np.ndarray, *, chance: float, level: float = 0.95,
                      fisher: bool = False) -> tuple[float, float]:
     """The values a shift of the side's permutation null would keep: ``observed - (q - chance)`` for the null's
@@ -205,12 +210,8 @@ def shifted_interval(observed: float, null: np.ndarray, *, chance: float, level:
     if not np.isfinite(observed) or not len(null):
         return float("nan"), float("nan")
     tail = (1 - level) / 2
-
-    def forward(v):
-        return np.arctanh(np.clip(v, -0.999999, 0.999999)) if fisher else np.asarray(v, np.float64)
-
-    low_q, high_q = np.quantile(forward(null), [tail, 1 - tail]) - forward(chance)
-    at = forward(observed)
+    low_q, high_q = np.quantile(_scale(null, fisher), [tail, 1 - tail]) - _scale(chance, fisher)
+    at = _scale(observed, fisher)
     low, high = at - high_q, at - low_q
     if fisher:
         low, high = np.tanh(low), np.tanh(high)
@@ -223,15 +224,9 @@ def shifted_intervals(observed, nulls, *, chance: float, level: float = 0.95,
     equal (each row's quantiles over its finite entries, :func:`~kvmem.autointerp.scorers.statistics.row_quantiles`)."""
     observed, nulls = np.asarray(observed, np.float64), np.asarray(nulls, np.float64)
     nulls = np.where(np.isfinite(nulls), nulls, np.nan)  # what the one-side version drops before mapping
-    if fisher:
-        def forward(v):
-            return np.arctanh(np.clip(v, -0.999999, 0.999999))
-    else:
-        def forward(v):
-            return np.asarray(v, np.float64)
-    low_q, high_q = row_quantiles(forward(nulls), level=level)
-    at = forward(observed)
-    low, high = at - (high_q - forward(chance)), at - (low_q - forward(chance))
+    low_q, high_q = row_quantiles(_scale(nulls, fisher), level=level)
+    at, centre = _scale(observed, fisher), _scale(chance, fisher)
+    low, high = at - (high_q - centre), at - (low_q - centre)
     if fisher:
         low, high = np.tanh(low), np.tanh(high)
     bad = ~np.isfinite(observed)
