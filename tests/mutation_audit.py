@@ -139,6 +139,12 @@ MUTATIONS = [
     Mutation("the writer leaves torch on one thread", "kvmem/scanning/writer.py",
              "    finally:\n        torch.set_num_threads(before)", "    finally:\n        pass",
              ("tests/test_writer.py",), "torch_thread"),
+    Mutation("the GGUF key rows keep llama.cpp's rotary order under grouped heads", "kvmem/gguf_conversion.py",
+             "weights = _rotary_rows(weights, kv_heads)", "weights = _rotary_rows(weights, heads)",
+             ("tests/test_gguf_conversion.py",), "builtin_conversion"),
+    Mutation("a GGUF file whose output weights are its own is read as tied", "kvmem/gguf_conversion.py",
+             '{"tie_word_embeddings": "output.weight" not in gguf.tensors}', '{"tie_word_embeddings": True}',
+             ("tests/test_gguf_conversion.py",), "one_line_errors"),
 ]
 
 
