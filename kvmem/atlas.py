@@ -19,14 +19,14 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from kvmem.atlas_projections import TABLES as PROJECTION_TABLES
 from kvmem.atlas_projections import OnDemandProjections, project_atlas
+from kvmem.atlas_tables import AtlasTables, position_codes
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.manifest import Manifest
-from kvmem.schema import CONTEXT_TEXT, SAMPLE_KINDS, SAMPLE_VIEW, TABLES, TRIGGER_KINDS, TRIGGER_VIEW, arrow_schema
+from kvmem.schema import SAMPLE_KINDS, SAMPLE_VIEW, TABLES, TRIGGER_KINDS, TRIGGER_VIEW, arrow_schema
 
 __all__ = ["open_atlas", "Atlas", "NeuronRecord"]
 
@@ -126,9 +126,8 @@ class Atlas:
         if not manifest.exists():
             raise KvmemError(f"{manifest} is missing: {self.path} is not a complete atlas; scan again")
         self.manifest: Manifest = Manifest.read(manifest)
-        self._files: dict[str, pq.ParquetFile] = {}
-        self._groups: dict[str, list[tuple[int, int, int]]] = {}
-        self._cache: dict[str, pd.DataFrame] = {}
+        self._tables = AtlasTables(self.path, self.table_path)
+        self._cache = self._tables.cache
         self.projections = OnDemandProjections(self, model)
 
     # ---- provenance ----
@@ -164,100 +163,11 @@ class Atlas:
         return (f"Atlas({str(self.path)!r}: {m.model['name']}, layers {self.layers[0]}..{self.layers[-1]} "
                 f"× {self.d_ff} neurons, corpus {m.corpus['spec']!r}, {m.tokens:,} tokens, top_k {m.scan['top_k']})")
 
-    # ---- file access ----
-    def _file(self, table: str) -> pq.ParquetFile:
-        if table not in self._files:
-            path = self.table_path(table)
-            if not path.exists():
-                raise KvmemError(f"atlas table {path} is missing; the atlas is incomplete, scan again")
-            try:
-                self._files[table] = pq.ParquetFile(path)
-            except Exception as error:  # pyarrow raises several types for a damaged file
-                raise KvmemError(f"atlas table {path} is corrupt ({error}); scan again") from None
-            groups = []
-            meta = self._files[table].metadata
-            names = self._files[table].schema_arrow.names
-            if "layer" not in names:  # contexts: keyed by (doc, pos), read whole
-                return self._files[table]
-            li, ni = names.index("layer"), names.index("neuron")
-            for g in range(meta.num_row_groups):
-                rg = meta.row_group(g)
-                layer, neuron = rg.column(li).statistics, rg.column(ni).statistics
-                if rg.num_rows == 0 or layer is None or neuron is None:
-                    groups.append((-1, 0, -1))  # an empty table's single empty row group
-                else:
-                    groups.append((int(layer.min), int(neuron.min), int(neuron.max)))
-            self._groups[table] = groups
-        return self._files[table]
-
-    def _read(self, table: str, layer: int, neuron: int | None = None) -> pd.DataFrame:
-        return self._read_arrow(table, layer, neuron).to_pandas()
-
+    # ---- file access (kvmem.atlas_tables) ----
     def _read_arrow(self, table: str, layer: int, neuron: int | None = None) -> pa.Table:
-        """Rows of one layer (and neuron), from the row groups that hold them."""
+        """Rows of one layer (and neuron) of ``table``, both checked against the atlas."""
         self.check(layer, neuron)
-        file = self._file(table)
-        wanted = [g for g, (lay, lo, hi) in enumerate(self._groups[table])
-                  if lay == layer and (neuron is None or lo <= neuron <= hi)]
-        if not wanted:
-            return file.schema_arrow.empty_table()
-        rows = file.read_row_groups(wanted)
-        return rows if neuron is None else rows.filter(pc.equal(rows.column("neuron"), neuron))
-
-    # ---- texts: one row per position in contexts, joined to triggers and samples by (doc, pos) ----
-    def _contexts(self, table: str) -> tuple[np.ndarray, pa.Table]:
-        """(sorted codes doc << 32 | pos, the contexts table in that order), read once."""
-        name = "contexts"
-        key = f"_contexts:{name}"
-        if key not in self._cache:
-            try:
-                contexts = self._file(name).read()
-            except OSError as error:
-                raise KvmemError(f"atlas table {self.path / name}.parquet is corrupt ({error}); scan again") from None
-            codes = _codes(contexts)
-            order = np.argsort(codes, kind="stable")
-            self._cache[key] = (codes[order], contexts.take(pa.array(order)))
-        return self._cache[key]
-
-    def _with_text(self, rows: pa.Table, table: str, columns=None) -> pa.Table:
-        """``rows`` (with doc, pos) plus their context's columns (all of CONTEXT_TEXT, or those in
-        ``columns``), in the order of the table's view."""
-        view = TRIGGER_VIEW if table == "triggers" else SAMPLE_VIEW
-        columns = list(view if columns is None else columns)
-        wanted = [name for name in CONTEXT_TEXT if name in columns and name not in rows.column_names]
-        if wanted:
-            codes, contexts = self._contexts(table)
-            mine = _codes(rows)
-            at = np.searchsorted(codes, mine)
-            found = at < len(codes)
-            found[found] = codes[at[found]] == mine[found]
-            if not found.all():
-                raise KvmemError(f"{self.path}: {int((~found).sum())} {table} row(s) point at positions missing from "
-                                 f"the contexts table; the atlas is damaged, scan again")
-            taken = contexts.select(wanted).take(pa.array(at))
-            for name in wanted:
-                rows = rows.append_column(contexts.schema.field(name), taken.column(name))
-        return rows.select([name for name in columns if name in rows.column_names])
-
-    def _table(self, table: str, columns: list[str] | None = None) -> pd.DataFrame:
-        """A whole table (triggers and samples with their context's columns) as a DataFrame, cached."""
-        key = f"{table}:{columns}"
-        if key not in self._cache:
-            stored = self._file(table).schema_arrow.names
-            joined = table in ("triggers", "samples")
-            read = columns
-            if joined and columns is not None:
-                read = [name for name in columns if name in stored]
-                if any(name in CONTEXT_TEXT and name not in stored for name in columns):
-                    read = sorted(set(read) | {"doc", "pos"}, key=stored.index)
-            try:
-                rows = self._file(table).read(columns=read)
-            except OSError as error:
-                raise KvmemError(f"atlas table {self.path / table}.parquet is corrupt ({error}); scan again") from None
-            if joined:
-                rows = self._with_text(rows, table, columns)
-            self._cache[key] = rows.to_pandas()
-        return self._cache[key]
+        return self._tables.rows(table, layer, neuron)
 
     def _known(self, table: str) -> None:
         """A table of the format (:data:`kvmem.schema.TABLES`), or one a statistic wrote into this atlas."""
@@ -269,15 +179,7 @@ class Atlas:
         """The stored ``columns`` of ``table``, one parquet row group at a time (pa.Table each): a whole
         table streamed without ever being in memory at once (triggers and samples carry no text here)."""
         self._known(table)
-        file = self._file(table)
-        unknown = sorted(set(columns) - set(file.schema_arrow.names))
-        if unknown:
-            raise KvmemError(f"table {table!r} stores no column(s) {unknown}; see kvmem.schema.COLUMNS")
-        for group in range(file.metadata.num_row_groups):
-            try:
-                yield file.read_row_group(group, columns=list(columns))
-            except OSError as error:
-                raise KvmemError(f"atlas table {self.path / table}.parquet is corrupt ({error}); scan again") from None
+        return self._tables.row_groups(table, columns)
 
     def check(self, layer: int, neuron: int | None = None) -> None:
         if layer not in self.layers:
@@ -289,7 +191,7 @@ class Atlas:
     @cached_property
     def neurons(self) -> pd.DataFrame:
         """One row per (layer, neuron): statistics and vector norms (see kvmem.schema.COLUMNS)."""
-        return self._table("neurons")
+        return self._tables.table("neurons")
 
     @cached_property
     def taxonomy(self) -> pd.DataFrame:
@@ -307,7 +209,7 @@ class Atlas:
         rows = self._read_arrow("triggers", layer, neuron)
         if kind is not None:
             rows = rows.filter(pc.equal(rows.column("kind"), kind))
-        return self._with_text(rows, "triggers").to_pandas()
+        return self._tables.with_text(rows, "triggers").to_pandas()
 
     def table_path(self, table: str) -> Path:
         """Where ``table``'s parquet file is: the atlas's own file, or, for a projection table (values, keys)
@@ -353,9 +255,7 @@ class Atlas:
         """Write the values and keys tables into the atlas (as ``kvmem project`` does; nothing when it holds
         them). ``model``: the scanned model (default: loaded from the manifest)."""
         done = project_atlas(self, model=model, progress=progress)
-        self._files.clear()
-        self._groups.clear()
-        self._cache.clear()
+        self._tables.clear()
         self.manifest = Manifest.read(self.path / "manifest.json")
         return done
 
@@ -390,7 +290,7 @@ class Atlas:
         rows = self._read_arrow("samples", layer, neuron)
         if kind is not None:
             rows = rows.filter(pc.equal(rows.column("kind"), kind))
-        return self._with_text(rows, "samples").to_pandas()
+        return self._tables.with_text(rows, "samples").to_pandas()
 
     def quantile_samples(self, layer: int, neuron: int, *, bands: int = 5, per_band: int = 5,
                          levels=None) -> list[pd.DataFrame]:
@@ -427,7 +327,7 @@ class Atlas:
 
     def histogram(self, layer: int, neuron: int) -> pd.DataFrame:
         """Coefficient histogram over the fixed bins: columns bin, low, high, count."""
-        frame = self._read("histograms", layer, neuron)
+        frame = self._read_arrow("histograms", layer, neuron).to_pandas()
         edges = [float(e) for e in self.manifest.histogram["edges"]]
         counts = np.asarray(frame.counts.iloc[0]) if len(frame) else np.zeros(len(edges) - 1, np.int64)
         return pd.DataFrame({"bin": np.arange(len(counts)), "low": edges[:-1], "high": edges[1:], "count": counts})
@@ -480,11 +380,11 @@ class Atlas:
         key = f"_index:{table}:{convention}"
         if key not in self._cache:
             if table == "values":
-                frame = self._table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id", "score"])
+                frame = self._tables.table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id", "score"])
                 keep = (frame.kind.to_numpy() == "promote") & (frame.convention.to_numpy() == convention)
                 frame, token = frame[keep][["layer", "neuron", "rank", "score"]], frame.token_id.to_numpy()[keep]
             else:
-                frame = self._table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
+                frame = self._tables.table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
                 frame = frame[["layer", "neuron", "kind", "activation", "next_token_id"]]
                 keep = frame.kind.to_numpy() == "top"
                 frame, token = frame[keep][["layer", "neuron", "activation"]], frame.next_token_id.to_numpy()[keep]
@@ -512,9 +412,9 @@ class Atlas:
 
     def _vocabulary(self) -> dict[str, int]:
         if "_vocab" not in self._cache:
-            frames = [self._contexts("triggers")[1].select(["token_id", "token"]).to_pandas()]
+            frames = [self._tables.contexts()[1].select(["token_id", "token"]).to_pandas()]
             try:  # the vocabulary the values table names (the model's cached tables where the atlas holds none)
-                frames.insert(0, self._table("values", ["token_id", "token"]))
+                frames.insert(0, self._tables.table("values", ["token_id", "token"]))
             except KvmemError:  # no model here: the tokens the triggers name
                 pass
             both = pd.concat(frames).drop_duplicates("token")
@@ -531,20 +431,20 @@ class Atlas:
         if layer is not None:
             self.check(layer)
         # the regular expression runs once per distinct context, not once per trigger row
-        codes, contexts = self._contexts("triggers")
+        codes, contexts = self._tables.contexts()
         matches = np.fromiter((regex.search(text) is not None for text in contexts.column("context").to_pylist()),
                               bool, len(codes))
         key = f"_search:{kind}"
         if key not in self._cache:  # the rows of this kind and the index of their context, once
-            rows = self._table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc", "pos"])
+            rows = self._tables.table("triggers", ["layer", "neuron", "kind", "rank", "activation", "doc", "pos"])
             rows = rows[rows.kind.to_numpy() == kind].reset_index(drop=True)
-            self._cache[key] = (rows, np.minimum(np.searchsorted(codes, _codes(rows)), max(len(codes) - 1, 0)))
+            self._cache[key] = (rows, np.minimum(np.searchsorted(codes, position_codes(rows)), max(len(codes) - 1, 0)))
         rows, at = self._cache[key]
         keep = matches[at] if len(codes) else np.zeros(len(rows), bool)
         if layer is not None:
             keep &= rows.layer.to_numpy() == layer
         hits = pa.Table.from_pandas(rows[keep].head(limit), preserve_index=False)
-        return self._with_text(hits, "triggers", columns).to_pandas()
+        return self._tables.with_text(hits, "triggers", columns).to_pandas()
 
     def explanations(self, layer: int | None = None, neuron: int | None = None, *,
                      explainer: str | None = None) -> pd.DataFrame:
@@ -584,21 +484,14 @@ class Atlas:
         """A whole table as a DataFrame, optionally only some columns (large for big atlases)."""
         self._known(name)
         if columns is not None:
-            names = set(self._file(name).schema_arrow.names)
+            names = set(self._tables.file(name).schema_arrow.names)
             if name in ("triggers", "samples"):
                 names |= set(TRIGGER_VIEW if name == "triggers" else SAMPLE_VIEW)
             unknown = sorted(set(columns) - names)
             if unknown:
                 raise KvmemError(f"table {name!r} has no column(s) {unknown}; see kvmem.schema.COLUMNS")
             columns = list(columns)
-        return self._table(name, columns)
-
-
-def _codes(rows) -> np.ndarray:
-    """Packed positions doc << 32 | pos of an Arrow table or DataFrame with doc and pos columns."""
-    doc, pos = (np.asarray(rows[name] if isinstance(rows, pd.DataFrame) else rows.column(name).to_numpy(), np.int64)
-                for name in ("doc", "pos"))
-    return (doc << 32) | pos
+        return self._tables.table(name, columns)
 
 
 def _ranges(values: list[int]) -> str:
