@@ -127,7 +127,7 @@ def test_killed_explain_resumes_and_matches_a_clean_run(explain_atlas, tmp_path)
     shutil.copytree(explain_atlas.path, clean)
     kvmem.explain(clean, layers=[0])
     expected = store.read(clean)
-    code = (f"import kvmem; kvmem.explain({str(explain_atlas.path)!r}, layers=[0], chunk=4)")
+    code = (f"import kvmem; kvmem.explain({str(explain_atlas.path)!r}, layers=[0], chunk=4, store_every=0)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     target = explain_atlas.path / store.FILE
@@ -145,6 +145,22 @@ def test_killed_explain_resumes_and_matches_a_clean_run(explain_atlas, tmp_path)
     pd.testing.assert_frame_equal(partial, done)  # what was written before the kill is complete and right
     kvmem.explain(explain_atlas, layers=[0])
     pd.testing.assert_frame_equal(store.read(explain_atlas.path), expected)
+
+
+def test_rows_stored_at_the_end_equal_rows_stored_after_every_chunk(explain_atlas, tmp_path):
+    """The default stores the rows when the command ends (or 20 s have passed): the same file as storing after
+    every chunk of 4 neurons, merged by key."""
+    import shutil
+
+    every, end = tmp_path / "every", tmp_path / "end"
+    shutil.copytree(explain_atlas.path, every)
+    shutil.copytree(explain_atlas.path, end)
+    kvmem.explain(every, layers=[0], chunk=4, store_every=0)
+    kvmem.explain(end, layers=[0], chunk=4)
+    assert len(store.read(end)) > 8
+    pd.testing.assert_frame_equal(store.read(end), store.read(every))
+    with pytest.raises(KvmemError, match="store_every must be a number of seconds >= 0, got -1"):
+        kvmem.explain(end, layers=[0], store_every=-1)
 
 
 def test_reads_while_another_process_rewrites_never_see_a_mixed_file(explain_atlas):

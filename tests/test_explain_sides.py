@@ -116,9 +116,17 @@ def test_intervention_scorer_steers_the_real_model_and_leaves_it_as_it_was(expla
     with torch.no_grad():
         before = model.hf_model(ids).logits.clone()
     kvmem.explain(explain_atlas, neurons=[(0, 3), (0, 5), (0, 7)])
-    scored = kvmem.score(explain_atlas, scorers="intervention", neurons=[(0, 3), (0, 5), (0, 7)], model=model,
-                         n_boot=50)
+    scored = kvmem.score(explain_atlas, scorers=["detection", "intervention"], neurons=[(0, 3), (0, 5), (0, 7)],
+                         model=model, n_boot=50)
     assert (scored.intervention_n > 0).all() and scored.intervention.between(0, 1).all()
+    # the store holds each row once, with both the array path's detection and the per-side intervention
+    key = ["layer", "neuron", "side", "explainer"]
+    stored = store.read(explain_atlas.path).merge(scored[key], on=key)
+    assert len(stored) == len(scored) and not stored.duplicated(key).any()
+    mine = scored.sort_values(key).reset_index(drop=True)
+    stored = stored.sort_values(key).reset_index(drop=True)
+    for column in ("detection", "detection_n", "intervention", "intervention_n", "intervention_metrics"):
+        pd.testing.assert_series_equal(stored[column], mine[column], check_dtype=False)
     metrics = [json.loads(m) for m in scored.intervention_metrics]
     assert all(m["decided"] <= m["changed"] <= n for m, n in zip(metrics, scored.intervention_n))
     with torch.no_grad():

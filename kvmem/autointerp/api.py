@@ -1,8 +1,8 @@
 """``explain(atlas, ...)`` writes explanations (``score``, in :mod:`kvmem.autointerp.scoring`, scores them).
 
 Both read the atlas through its public queries (:mod:`kvmem.autointerp.evidence`) and write
-``explanations.parquet`` (:mod:`kvmem.autointerp.store`) as they go (explain after every chunk, score at
-most every 20 seconds), so a killed run keeps what was stored; LLM answers are journaled one by one in ``explanations.journal.jsonl`` beside it, so
+``explanations.parquet`` (:mod:`kvmem.autointerp.store`) as they go (at most every 20 seconds, and at the
+end), so a killed run keeps what was stored; LLM answers are journaled one by one in ``explanations.journal.jsonl`` beside it, so
 a rerun asks nothing twice. Every choice that changes a number (split seed and fraction, examples
 per band, bootstrap replicates, judge and its prompts) is stored in the row beside the number.
 """
@@ -37,11 +37,12 @@ def backend_options(atlas, options: BackendOptions | None) -> BackendOptions:
 
 def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: str = "tokens", sides=None,
             seed: int = DEFAULT_SEED, held_out: float = DEFAULT_HELD_OUT, overwrite: bool = False, chunk: int = 2048,
-            options: BackendOptions | None = None, progress: bool = False) -> pd.DataFrame:
+            options: BackendOptions | None = None, progress: bool = False, store_every: float = 20.0) -> pd.DataFrame:
     """Explain the chosen neurons' sides with ``explainer`` (``tokens``, ``hf:PATH``, ``openai:URL``) and store them.
 
     Neurons this explainer already explained are kept as they are (``overwrite=True`` explains them
-    again). Returns the stored rows of the chosen neurons for this explainer.
+    again). Rows are stored at most every ``store_every`` seconds and at the end (0: after every chunk
+    of ``chunk`` neurons). Returns the stored rows of the chosen neurons for this explainer.
     """
     from tqdm import tqdm
 
@@ -67,6 +68,7 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
     else:
         chunks = [todo[b:b + chunk] for b in range(0, len(todo), chunk)]
     names = [f.name for f in fields(Explanation)]
+    storer = store.Storer(atlas.path, every=store_every)
     for part in chunks:
         written = []
         for layer in sorted({layer for layer, _ in part}):
@@ -83,8 +85,9 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
             written = worker.explain(written)  # one call: an LLM backend batches all sides of the chunk
         rows = [{**{n: getattr(e, n) for n in names}, "explain_codes": list(e.explain_codes), "split_seed": seed,
                  "held_out": held_out, "split_window": split_window(atlas)} for e in written]  # not asdict: it would deep-copy every code tuple
-        store.write(atlas.path, store.upsert(store.read(atlas.path), pd.DataFrame(rows)))
+        storer.add(pd.DataFrame(rows))
         bar.update(len(part))
+    storer.store()
     bar.close()
     return explanations(atlas, explainer=explainer, neurons=chosen)
 
@@ -101,3 +104,4 @@ def explanations(atlas, *, explainer: str | None = None, layer: int | None = Non
         wanted = set(map(tuple, neurons))
         frame = frame[[(int(a), int(b)) in wanted for a, b in zip(frame.layer, frame.neuron)]]
     return frame.reset_index(drop=True)
+

