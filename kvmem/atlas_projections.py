@@ -106,6 +106,26 @@ class OnDemandProjections:
                            cached_projection_files(model, self.atlas.layers, self.atlas.manifest.config)["files"].items()}
         return self._files[table]
 
+    def kept(self, table: str, layer: int, label: str) -> pa.Table | None:
+        """A whole layer's rows of ``table`` for one ``label`` (convention or vector) if they are at hand without
+        computing: answered before, in the per-model cache's whole tables, or kept there for the layer (by an
+        explain, a score, an earlier analysis); else None."""
+        from kvmem.scanning.projection import kept_layer_rows
+
+        neurons = tuple(range(self.atlas.d_ff))
+        column = "convention" if table == "values" else "vector"
+        for labels in ((label,), None):
+            if (rows := self._recent.get((table, int(layer), neurons, labels))) is not None:
+                return rows if labels else rows.filter(pc.equal(rows.column(column), label))
+        if (cached := self._cached_entry()) is not None:
+            rows = _read_rows(cached["files"][table], int(layer), neurons)
+            return rows.filter(pc.equal(rows.column(column), label))
+        config = self.atlas.manifest.config
+        for labels in ((label,), None):
+            if (rows := kept_layer_rows(self.model, int(layer), config, table, labels)) is not None:
+                return rows if labels else rows.filter(pc.equal(rows.column(column), label))
+        return None
+
     def rows(self, table: str, layer: int, neurons, model: Model | None = None, *, labels=None) -> pa.Table:
         """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order; ``labels``:
         only these conventions (values) or vectors (keys) are computed (None: all). The last few answers are

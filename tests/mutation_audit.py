@@ -33,6 +33,9 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("value top tokens read from kept rows of rank 1", "kvmem/experiments/atlas_inputs.py",
+             'rows = rows.filter(pc.equal(rows.column("rank"), 0))', 'rows = rows.filter(pc.equal(rows.column("rank"), 1))',
+             ("tests/test_experiments.py",), "value_top_tokens"),
     Mutation("context keeps one token fewer before (text)", "kvmem/scanning/texts.py",
              "c0, c1 = np.maximum(at - before, min(lead, n)), ", "c0, c1 = np.maximum(at - before + 1, min(lead, n)), ",
              ("tests/test_context_limits.py",)),

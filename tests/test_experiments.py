@@ -226,6 +226,34 @@ def test_value_with_a_chosen_top_token(gpt2_dir, tmp_path):
         assert ranks.tolist() == [1, model.vocab_size]
 
 
+def test_value_top_tokens_of_a_lazy_atlas_are_the_argmax_and_read_from_rows_kept_by_an_earlier_command(
+        atlas, gpt2_model, tmp_path, monkeypatch):
+    """An atlas without a values table: with nothing kept, the tokens are numpy's argmax / argmin of the brute-force
+    scores and nothing is written to the cache; once a command has kept the layer's rows (a whole-layer query, as
+    explain makes), a fresh reader takes the tokens from those rows (an edited rank-0 token shows through)."""
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("KVMEM_CACHE", str(tmp_path / "cache"))
+    assert not atlas.holds("values")
+    unembedding = gpt2_model.unembedding().float().numpy()
+    for convention in ("raw", "final_norm"):
+        top, bottom = value_top_tokens(None, 1, convention, atlas=kvmem.open(atlas.path, model=gpt2_model))
+        scores = convention_vectors(gpt2_model, gpt2_model.values(1), convention).float().numpy() @ unembedding
+        assert top.tolist() == scores.argmax(axis=1).tolist() and bottom.tolist() == scores.argmin(axis=1).tolist()
+        assert not list((tmp_path / "cache").glob(f"projections/layers/*-values-{convention}"))
+        kvmem.open(atlas.path, model=gpt2_model).projection_rows("values", 1, range(atlas.d_ff), labels=[convention])
+        kept = list((tmp_path / "cache").glob(f"projections/layers/*-values-{convention}/values.parquet"))
+        assert len(kept) == 1
+        rows = pq.read_table(kept[0]).to_pandas()
+        first = (rows["rank"] == 0) & (rows.kind == "promote") & (rows.neuron == 0)
+        assert rows.loc[first, "token_id"].tolist() == [top[0]]
+        rows.loc[first, "token_id"] = (top[0] + 1) % gpt2_model.vocab_size
+        rows.to_parquet(kept[0], index=False)
+        again = value_top_tokens(None, 1, convention, atlas=kvmem.open(atlas.path, model=gpt2_model))
+        assert again[0].tolist() == [(top[0] + 1) % gpt2_model.vocab_size] + top[1:].tolist()
+        assert again[1].tolist() == bottom.tolist()
+
+
 def test_next_token_rank_agrees_with_the_atlas_argmax(atlas, gpt2_model):
     """Rank 1 means the next token is the value's argmax: recomputed from the model in blocks, it reproduces the
     agreement read from the atlas's values table."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+import pyarrow.compute as pc
 
 from kvmem import loading
 from kvmem.atlas_origin import FingerprintWarning, check_model, load_scanned_model, scanned_corpus
@@ -96,7 +97,8 @@ def resolve_corpus(atlas: Atlas | None, corpus: Any, unit: str) -> Corpus:
     return open_corpus(corpus, unit=unit)
 
 
-_VALUE_TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # atlas -> its values' rank-0 rows
+# atlas -> {(layer, convention): (top [d_ff], bottom [d_ff])}, its values' rank-0 tokens
+_VALUE_TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> {(layer, convention): (argmax [d_ff], argmin [d_ff])}: the vocabulary pass is the slow part
 _TOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -106,25 +108,34 @@ def value_top_tokens(model: Model | None, layer: int, convention: str, *, atlas:
     """Per neuron of ``layer``: the token its value promotes most and the one it suppresses most.
 
     Returns (top [d_ff], bottom [d_ff]) int64 token ids, argmax and argmin of the value's vocabulary
-    scores under ``convention``. Read from the atlas's values table (rank 0) when ``atlas`` holds it, the
-    layer and the convention; otherwise computed from the model in blocks of ``block`` neurons.
+    scores under ``convention``. Read from the values table's rank-0 rows where they are at hand: the atlas's
+    table, or the scanned model's rows kept in the per-model projection cache by an earlier command
+    (:meth:`~kvmem.atlas_projections.OnDemandProjections.kept`). Otherwise computed from ``model`` (default: the
+    atlas's scanned model) in blocks of ``block`` neurons: an argmax needs no ranked table.
     """
-    if atlas is not None and layer in atlas.layers and convention in atlas.conventions and atlas.holds("values"):
-        if atlas not in _VALUE_TOPS:  # the values table's rank-0 rows, read once per atlas
-            _VALUE_TOPS[atlas] = read_columns(atlas, "values", ["layer", "convention", "neuron", "kind", "token_id"],
-                                              [("rank", "=", 0)])
-        frame = _VALUE_TOPS[atlas]
-        frame = frame[(frame.layer.to_numpy() == layer) & (frame.convention.to_numpy() == convention)]
-        d_ff = atlas.d_ff
-        out = []
-        for kind in ("promote", "suppress"):
-            part = frame[frame.kind == kind]
-            ids = np.full(d_ff, -1, np.int64)
-            ids[part.neuron.to_numpy()] = part.token_id.to_numpy()
-            out.append(ids)
-        return out[0], out[1]
-    if model is None and atlas is not None and layer in atlas.layers and convention in atlas.conventions:
-        model = atlas.projections.model  # the scanned model (fingerprint checked), or a one-line error
+    if atlas is not None and layer in atlas.layers and convention in atlas.conventions:
+        kept = _VALUE_TOPS.setdefault(atlas, {})
+        if (layer, convention) not in kept:
+            rows = None
+            if atlas.holds("values"):
+                rows = atlas.projection_rows("values", layer, range(atlas.d_ff), labels=[convention])
+            elif model is None or model.fingerprint == atlas.manifest.model["fingerprint"]:
+                if model is not None:
+                    atlas.projections.use_model(model)
+                rows = atlas.projections.kept("values", layer, convention)
+            if rows is not None:
+                rows = rows.filter(pc.equal(rows.column("rank"), 0))
+                out = []
+                for kind in ("promote", "suppress"):
+                    part = rows.filter(pc.equal(rows.column("kind"), kind))
+                    ids = np.full(atlas.d_ff, -1, np.int64)
+                    ids[part.column("neuron").to_numpy()] = part.column("token_id").to_numpy()
+                    out.append(ids)
+                kept[(layer, convention)] = (out[0], out[1])
+            elif model is None:
+                model = atlas.projections.model  # the scanned model (fingerprint checked), or a one-line error
+        if (layer, convention) in kept:
+            return kept[(layer, convention)]
     if model is None:
         raise KvmemError(f"layer {layer} / convention {convention!r} is not in the atlas; pass the model to compute it")
     cache = _TOPS.setdefault(model, {})

@@ -297,6 +297,19 @@ def cached_projection_entry(model: Model, layers: list[int], config) -> dict | N
     return _cached(cache_dir() / "projections" / key, len(layers), None)
 
 
+def kept_layer_rows(model: Model, layer: int, config, table: str, labels: tuple | None) -> pa.Table | None:
+    """A whole layer's rows of ``table`` (of ``labels``; None: all) if some earlier command kept them in the per-model
+    cache (:func:`cached_layer_rows`), else None: nothing is computed."""
+    key = _cache_key(model, [layer], config)
+    if key is None:
+        return None
+    path = cache_dir() / "projections" / "layers" / f"{key}-{table}-{'+'.join(labels) if labels else 'all'}" / f"{table}.parquet"
+    try:
+        return pq.read_table(path) if path.exists() else None
+    except (OSError, pa.ArrowException):  # damaged: as if absent
+        return None
+
+
 def cached_layer_rows(model: Model, layer: int, config, table: str, labels: tuple | None, compute) -> pa.Table:
     """A whole layer's rows of ``table`` (of ``labels``; None: all) from the per-model cache, or ``compute()``d and
     cached now (so the next command that reads the layer, an explain then a score, does not compute it again).
