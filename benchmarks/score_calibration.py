@@ -57,7 +57,7 @@ def _repair(module, task, answers, rng):
 
 
 def _percentile_simulation(task, answers, *, n_boot: int, seed: int):
-    from kvmem.autointerp.scorers.statistics import bootstrap, moment_sums, pearson_from
+    from kvmem.autointerp.scorers.intervals import bootstrap, moment_sums, pearson_from
 
     predicted, truth = np.concatenate([np.asarray(a, float) for a in answers]), np.concatenate(task.truth)
     groups = np.repeat(np.asarray(task.group), [len(t) for t in task.truth])

@@ -2,7 +2,7 @@
 
 matplotlib is imported inside the functions, so ``import kvmem`` never loads it. No function calls
 ``plt.show()``; with ``ax=None`` a new figure is made with pyplot (shown inline in notebooks).
-Token strings are drawn through :func:`kvmem.report.text.mpl_text` (controls made visible, ``$`` escaped,
+Token strings are drawn through :func:`kvmem.report.safe_text.mpl_text` (controls made visible, ``$`` escaped,
 long tokens cut).
 """
 
@@ -15,7 +15,7 @@ import pandas as pd
 
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
-from kvmem.report.text import mpl_text
+from kvmem.report.safe_text import mpl_text
 
 __all__ = [
     "NEGATIVE",

@@ -147,7 +147,7 @@ def _arrow_type(description: str):
     """The Arrow type a column description starts with (``int16``, ``list<string>``, ...)."""
     import pyarrow as pa
 
-    from kvmem.scanning.histogram import HIST_BINS
+    from kvmem.scanning.bins import HIST_BINS
 
     head = description.split(",")[0].split(":")[0].split(" ")[0].strip()
     scalars = {"int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),

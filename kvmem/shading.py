@@ -9,7 +9,7 @@ beyond the scale saturate and are flagged, so nothing is hidden.
 
 Text is shown faithfully: spaces stay spaces, a newline shows as ``↵`` and then breaks the line, a tab
 as ``⇥``; characters that would be invisible or reorder the text (zero-width, bidi controls, other
-controls) show as markers such as ``⟨U+200B⟩`` (:func:`kvmem.report.text.visible`).
+controls) show as markers such as ``⟨U+200B⟩`` (:func:`kvmem.report.safe_text.visible`).
 
 The explorer (:mod:`kvmem.explorer`) renders :func:`cells` with CSS classes (its pages forbid inline
 styles); :func:`shaded_html` renders them with inline styles for notebooks.
@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmem.report.text import visible
+from kvmem.report.safe_text import visible
 
 __all__ = ["LEVELS", "Scale", "Cell", "robust_scale", "level", "shown", "cells", "shaded_html"]
 

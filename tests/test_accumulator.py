@@ -9,7 +9,7 @@ import pytest
 import torch
 from layer_driver import fold, new_layer
 
-from kvmem.scanning.histogram import HIST_BINS, reference_bin
+from kvmem.scanning.bins import HIST_BINS, reference_bin
 from kvmem.scanning.ordering import BLOCK_ROWS, KEY_BITS, NO_KEY, order_by_key, position_keys
 from kvmem.scanning.statistics.sides import block_extremes
 from kvmem.scanning.step import window_context, window_rows

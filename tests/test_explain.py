@@ -9,7 +9,7 @@ from kvmem.autointerp.evidence import Example, SideEvidence
 from kvmem.autointerp.explainers.tokens import TokensExplainer, fit_rule
 from kvmem.autointerp.judges import TokensJudge
 from kvmem.autointerp.scorers import SCORERS, detection, fuzzing, get_scorers, simulation
-from kvmem.autointerp.scorers.statistics import (
+from kvmem.autointerp.scorers.intervals import (
     balanced_accuracy,
     balanced_accuracy_from,
     bootstrap,

@@ -17,6 +17,7 @@ from kvmem.autointerp.evidence import Example, SideEvidence, WrittenToken
 from kvmem.autointerp.judges import TokensJudge
 from kvmem.autointerp.scorers import detection, fuzzing, output, simulation
 from kvmem.autointerp.scorers.base import Query, Task
+from kvmem.autointerp.scorers.intervals import classification_metrics, rank_auc
 from kvmem.autointerp.scorers.nulls import (
     _label_orders,
     _swaps,
@@ -35,7 +36,6 @@ from kvmem.autointerp.scorers.protocols import (
     delphi_fuzzing,
     neuron_explainer_records,
 )
-from kvmem.autointerp.scorers.statistics import classification_metrics, rank_auc
 from kvmem.autointerp.token_rules import Rule
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import kvmem
 from kvmem.autointerp import api, bulk, scoring, store
-from kvmem.autointerp.scorers.statistics import (
+from kvmem.autointerp.scorers.intervals import (
     balanced_accuracy_from,
     bootstrap,
     bootstrap_many,

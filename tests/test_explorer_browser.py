@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import kvmem
-from kvmem.report.text import visible
+from kvmem.report.safe_text import visible
 
 CHROMIUM = next((path for path in ("/usr/bin/chromium", shutil.which("chromium") or "") if path and Path(path).exists()),
                 None)

@@ -237,7 +237,7 @@ def oracle_values(model, layer: int, neuron: int) -> np.ndarray:
 def oracle_bands(values: np.ndarray, levels=None, bands: int = 5):
     """(bin of each value, band of each bin [B]): bins from the documented edges; a bin joins the band in
     which the fraction of values in lower bins falls (levels), or band floor(fraction * bands)."""
-    from kvmem.scanning.histogram import HIST_BINS, bin_edges
+    from kvmem.scanning.bins import HIST_BINS, bin_edges
 
     bins = histogram_bins(values, bin_edges())
     below = np.array([(bins < b).sum() / len(values) for b in range(HIST_BINS)])
@@ -250,7 +250,7 @@ def oracle_bands(values: np.ndarray, levels=None, bands: int = 5):
 def expected_boundaries(values: np.ndarray, levels) -> list[float]:
     """Where bands 2.. start: the lower edge of the bin holding the smallest value at or above the band,
     clamped to [min, max]; float32 as the export writes it."""
-    from kvmem.scanning.histogram import bin_edges
+    from kvmem.scanning.bins import bin_edges
 
     edges = bin_edges()
     bins, band_of_bin = oracle_bands(values, levels)
@@ -266,7 +266,7 @@ def expected_boundaries(values: np.ndarray, levels) -> list[float]:
 @pytest.mark.parametrize("levels", [None, LEVELS], ids=["equal_bands", "viewer_levels"])
 def test_quantile_bands_equal_brute_force(gpt2_atlas, gpt2_model, levels):
     """Each band's bins, bounds and samples follow from the raw coefficients alone."""
-    from kvmem.scanning.histogram import bin_edges
+    from kvmem.scanning.bins import bin_edges
 
     edges = bin_edges()
     changed = 0

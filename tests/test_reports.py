@@ -19,7 +19,7 @@ from kvmem.cli import main
 from kvmem.conventions import DEFAULT_CONVENTION
 from kvmem.errors import KvmemError
 from kvmem.report import export_many, export_neuron, neuron_data
-from kvmem.report.text import clean, md_code, md_text, visible
+from kvmem.report.safe_text import clean, md_code, md_text, visible
 
 NASTY = [
     "Plain words first. <script>alert(1)</script> then more plain words follow here. ",

@@ -12,7 +12,7 @@ from projection_oracle import top_bottom
 
 import kvmem
 import kvmem.schema
-from kvmem.scanning.histogram import HIST_BINS, reference_bin
+from kvmem.scanning.bins import HIST_BINS, reference_bin
 
 WINDOW = 8
 K = 4
@@ -335,7 +335,7 @@ def test_key_projections_can_be_skipped(gpt2_model, tmp_path):
 def test_samples_equal_brute_force(gpt2_model, gpt2_atlas):
     """The random sample is the positions with the smallest keys; each bin keeps its smallest keys under the rate."""
     from kvmem.plan import pack
-    from kvmem.scanning.histogram import bin_index
+    from kvmem.scanning.bins import bin_index
     from kvmem.scanning.ordering import KEY_BITS, position_keys
 
     rows, acts = brute_force(gpt2_model, SHORT_DOCS)

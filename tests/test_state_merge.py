@@ -14,7 +14,7 @@ import pytest
 from conftest import SHORT_DOCS
 from hf_oracle import histogram_bins, positions, sampling_key
 
-from kvmem.scanning.histogram import HIST_BINS, bin_edges
+from kvmem.scanning.bins import HIST_BINS, bin_edges
 from kvmem.scanning.runner import stream
 
 WINDOW = 8

@@ -15,7 +15,7 @@ from conftest import SHORT_DOCS
 import kvmem
 from kvmem.cli import main
 from kvmem.errors import KvmemError
-from kvmem.scanning.histogram import MAGNITUDE_EDGES
+from kvmem.scanning.bins import MAGNITUDE_EDGES
 from kvmem.taxonomy import COLUMNS, PENDING, Thresholds, build_taxonomy, read_taxonomy, write_taxonomy
 from kvmem.taxonomy.exact_columns import NOT_KEPT
 from kvmem.taxonomy.table import arrow_schema, read_taxonomy_metadata

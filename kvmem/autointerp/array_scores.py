@@ -8,7 +8,7 @@ builds one task and answers one query at a time. Here, on :class:`~kvmem.autoint
 - a rule is applied to every query at once through :class:`~kvmem.autointerp.vectorised.KeyTables`;
 - every side's answers are counted with one ``np.bincount`` per column, and the intervals, nulls and
   p-values of all sides come from the batched forms in :mod:`kvmem.autointerp.scorers.nulls` and
-  :mod:`kvmem.autointerp.scorers.statistics`, each equal row by row to the one-side form.
+  :mod:`kvmem.autointerp.scorers.intervals`, each equal row by row to the one-side form.
 
 The results equal the per-side path's exactly (a test compares both on real atlases).
 """
@@ -21,6 +21,16 @@ import numpy as np
 
 from kvmem.autointerp.layertable import BAND_CODE
 from kvmem.autointerp.scorers.base import PER_BAND
+from kvmem.autointerp.scorers.intervals import (
+    N_BOOT,
+    balanced_accuracy_from,
+    bootstrap_many,
+    classification_metrics,
+    paired_bootstrap_many,
+    pearson_from,
+    resample_counts,
+    row_quantiles,
+)
 from kvmem.autointerp.scorers.nulls import (
     classification_nulls,
     hulls,
@@ -31,16 +41,6 @@ from kvmem.autointerp.scorers.nulls import (
     swap_p,
 )
 from kvmem.autointerp.scorers.simulation import MAX_RANDOM, MAX_TOP
-from kvmem.autointerp.scorers.statistics import (
-    N_BOOT,
-    balanced_accuracy_from,
-    bootstrap_many,
-    classification_metrics,
-    paired_bootstrap_many,
-    pearson_from,
-    resample_counts,
-    row_quantiles,
-)
 from kvmem.autointerp.splits import splitmix64
 from kvmem.autointerp.vectorised import KeyTables, segment_rank
 from kvmem.errors import KvmemError

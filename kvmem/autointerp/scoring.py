@@ -29,7 +29,7 @@ from kvmem.autointerp.layertable import read_contexts, read_layer
 from kvmem.autointerp.randominit import random_init_atlas
 from kvmem.autointerp.scorers import get_scorers
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, PROTOCOLS
-from kvmem.autointerp.scorers.statistics import N_BOOT
+from kvmem.autointerp.scorers.intervals import N_BOOT
 from kvmem.autointerp.splits import DEFAULT_HELD_OUT, DEFAULT_SEED, split_window
 from kvmem.autointerp.vectorised import KeyTables
 from kvmem.errors import KvmemError

@@ -11,8 +11,8 @@ import argparse
 from kvmem.cli.options import add_atlas_option, add_layers_option, add_neurons_option, parse_layers, parse_neurons
 from kvmem.errors import KvmemError
 from kvmem.report import export_many, select_neurons
-from kvmem.report.export import RANKINGS
 from kvmem.report.formats import FORMATS
+from kvmem.report.writing import RANKINGS
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:

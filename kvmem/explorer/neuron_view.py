@@ -80,7 +80,7 @@ def neuron_record(snapshot, layer: int, neuron: int, live):
 
 
 def _random_samples(snapshot, layer: int, neuron: int) -> list[dict]:
-    from kvmem.report.text import clean
+    from kvmem.report.safe_text import clean
 
     if not snapshot.has("samples"):
         return []

@@ -8,7 +8,7 @@ from urllib.parse import urlencode
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from kvmem.report.text import visible
+from kvmem.report.safe_text import visible
 from kvmem.shading import LEVELS, Cell, shown
 
 __all__ = ["environment", "num", "cell_class"]
@@ -28,7 +28,7 @@ def pct(value, digits: int = 1) -> str:
 
 
 def chip(token) -> str:
-    """A token on its own, on one line: every character visible (:func:`kvmem.report.text.visible`: a newline is ``↵``);
+    """A token on its own, on one line: every character visible (:func:`kvmem.report.safe_text.visible`: a newline is ``↵``);
     in a token of whitespace only, a space shows as ``␣`` and any other space character as ``⟨U+XXXX⟩``."""
     text = str(token)
     if text and text.strip() == "":  # only whitespace: every character named

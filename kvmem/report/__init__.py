@@ -3,8 +3,8 @@
 The formats are the registry :data:`FORMATS` (:mod:`kvmem.report.formats`).
 """
 
-from kvmem.report.export import RANKINGS, export_many, export_neuron, select_neurons
 from kvmem.report.formats import FORMATS
 from kvmem.report.neuron_dict import SCHEMA, neuron_data
+from kvmem.report.writing import RANKINGS, export_many, export_neuron, select_neurons
 
 __all__ = ["FORMATS", "RANKINGS", "SCHEMA", "export_many", "export_neuron", "neuron_data", "select_neurons"]

@@ -1,6 +1,6 @@
 """One self-contained HTML page per neuron (inline CSS, figures as base64 PNG, no script, no fetch) and the index.
 
-Every untrusted string goes through :func:`kvmem.report.text.html_text`; a Content-Security-Policy
+Every untrusted string goes through :func:`kvmem.report.safe_text.html_text`; a Content-Security-Policy
 (``default-src 'none'``) in the page is a second wall. Page skeleton and CSS: ``kvmem/templates``.
 """
 
@@ -15,8 +15,8 @@ from string import Template
 from kvmem import __version__
 from kvmem.report.figures import neuron_figures
 from kvmem.report.index import INDEX_COLUMNS
-from kvmem.report.text import html_text as esc
-from kvmem.report.text import write_text
+from kvmem.report.safe_text import html_text as esc
+from kvmem.report.safe_text import write_text
 
 __all__ = ["context_html", "fmt", "render_index", "render_neuron", "template", "token_html", "write_neuron"]
 

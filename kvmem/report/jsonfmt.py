@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from kvmem.report.index import INDEX_SCHEMA
-from kvmem.report.text import write_text
+from kvmem.report.safe_text import write_text
 
 __all__ = ["dumps", "render_index", "write_neuron"]
 

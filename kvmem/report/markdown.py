@@ -1,7 +1,7 @@
 """One Markdown page per neuron, for GitHub (figures are PNG files beside it, ``<stem>_files/``), and the index.
 
-Untrusted text is backslash-escaped (:func:`~kvmem.report.text.md_text`) or code-quoted
-(:func:`~kvmem.report.text.md_code`), so no corpus string renders as markup or HTML.
+Untrusted text is backslash-escaped (:func:`~kvmem.report.safe_text.md_text`) or code-quoted
+(:func:`~kvmem.report.safe_text.md_code`), so no corpus string renders as markup or HTML.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from kvmem.report.figures import neuron_figures
 from kvmem.report.html import TRIGGER_TITLES, fmt
 from kvmem.report.index import INDEX_COLUMNS
-from kvmem.report.text import md_code, md_text, write_text
+from kvmem.report.safe_text import md_code, md_text, write_text
 
 __all__ = ["context_md", "render_index", "render_neuron", "write_neuron"]
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from kvmem import __version__
 from kvmem.conventions import CONVENTIONS
-from kvmem.report.text import clean
+from kvmem.report.safe_text import clean
 from kvmem.schema import KEY_VECTORS, TRIGGER_KINDS
 
 __all__ = ["SCHEMA", "neuron_data"]

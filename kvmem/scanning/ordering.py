@@ -12,7 +12,7 @@ size of the candidate search, the tie rule, and the sampling key of a position.
   ``KEY_BITS`` bits: :func:`position_keys`. ``NO_KEY`` is the key of an empty entry and sorts after
   every real one.
 
-The histogram bin is the remaining rule; it lives in :mod:`kvmem.scanning.histogram`.
+The histogram bin is the remaining rule; it lives in :mod:`kvmem.scanning.bins`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Write a finished scan's atlas atomically: the statistics' tables (:mod:`kvmem.scanning.statistics`) and
-those of :mod:`kvmem.scanning.tables` in writer threads as they are built, the projection tables when the
+those of :mod:`kvmem.scanning.shared_tables` in writer threads as they are built, the projection tables when the
 scan computes them eagerly (from the per-model cache), the manifest last."""
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
 from kvmem.manifest import Manifest
 from kvmem.models import Model
 from kvmem.plan import TokenPlan
+from kvmem.scanning.bins import HIST_BINS, bin_edges
 from kvmem.scanning.checkpoint import save_state
 from kvmem.scanning.config import ScanConfig
-from kvmem.scanning.histogram import HIST_BINS, bin_edges
 from kvmem.scanning.parquet import LayerParts, write_parquet
 from kvmem.scanning.projection import cached_projection_files
+from kvmem.scanning.shared_tables import contexts_table, neurons_table
 from kvmem.scanning.statistics import STATISTICS, ScanState
-from kvmem.scanning.tables import contexts_table, neurons_table
 from kvmem.schema import FORMAT_VERSION, conform
 
 __all__ = ["write_atlas", "TableWriter", "TableStream", "build_manifest", "torch_threads", "link_or_copy", "STATE_DIR"]

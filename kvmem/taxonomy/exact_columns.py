@@ -1,7 +1,7 @@
 """Taxonomy columns computed exactly from an atlas's existing tables (no model, no approximation).
 
 - Activation frequencies: the histogram's bin edges are fixed (2^e and 1.5·2^e, see
-  :mod:`kvmem.scanning.histogram`) and every threshold is one of them, so "m >= e" and "m <= −e" are
+  :mod:`kvmem.scanning.bins`) and every threshold is one of them, so "m >= e" and "m <= −e" are
   unions of whole bins and their counts are exact integers. Bins b >= 30 are [edges[b], edges[b+1]),
   bins b < 30 are (edges[b], edges[b+1]].
 - Token detector: a sum over the neuron's kept top triggers (all top_k of them are in triggers.parquet).
@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from kvmem.errors import KvmemError
-from kvmem.scanning.histogram import HIST_BINS, bin_edges
+from kvmem.scanning.bins import HIST_BINS, bin_edges
 from kvmem.taxonomy.thresholds import Thresholds
 
 __all__ = ["NOT_KEPT", "activation_frequencies", "count_at_least", "count_at_most", "evidence_columns",

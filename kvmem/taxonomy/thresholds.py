@@ -1,6 +1,6 @@
 """The thresholds of the neuron taxonomy: one frozen dataclass, each field with its source.
 
-Activation thresholds must be edges of the atlas histogram (:data:`kvmem.scanning.histogram.MAGNITUDE_EDGES`,
+Activation thresholds must be edges of the atlas histogram (:data:`kvmem.scanning.bins.MAGNITUDE_EDGES`,
 2^e and 1.5·2^e), so that a count above them is a sum of whole bins and exact.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from kvmem.errors import KvmemError
-from kvmem.scanning.histogram import MAGNITUDE_EDGES
+from kvmem.scanning.bins import MAGNITUDE_EDGES
 
 __all__ = ["THRESHOLD_SOURCES", "Thresholds"]
 

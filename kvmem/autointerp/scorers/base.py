@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvmem.autointerp.scorers.nulls import classification_null, hull, label_permutation_p, shifted_interval
-from kvmem.autointerp.scorers.statistics import (
+from kvmem.autointerp.scorers.intervals import (
     balanced_accuracy_from,
     bootstrap,
     classification_metrics,
@@ -22,6 +21,7 @@ from kvmem.autointerp.scorers.statistics import (
     paired_bootstrap,
     rank_auc,
 )
+from kvmem.autointerp.scorers.nulls import classification_null, hull, label_permutation_p, shifted_interval
 
 __all__ = ["Query", "Task", "Score", "select_active", "classify", "summarise", "paired_classification", "PER_BAND",
            "PROTOCOLS", "DEFAULT_PROTOCOL"]

@@ -22,8 +22,8 @@ from kvmem.autointerp.scorers.base import (
     paired_classification,
     select_active,
 )
+from kvmem.autointerp.scorers.intervals import N_BOOT
 from kvmem.autointerp.scorers.protocols import delphi_detection
-from kvmem.autointerp.scorers.statistics import N_BOOT
 
 __all__ = ["build", "evaluate", "paired", "quiet_examples", "NAME", "ANSWER", "ASPECT", "QUIET_BANDS"]
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Score, Task, select_active
 from kvmem.autointerp.scorers.detection import quiet_examples
-from kvmem.autointerp.scorers.statistics import LEVEL, N_BOOT, rank_auc, resample_counts
+from kvmem.autointerp.scorers.intervals import LEVEL, N_BOOT, rank_auc, resample_counts
 
 __all__ = ["build", "evaluate", "paired", "answer", "NAME", "ANSWER", "ASPECT", "NEEDS", "MAX_QUIET"]
 

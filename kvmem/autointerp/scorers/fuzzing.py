@@ -26,9 +26,9 @@ from kvmem.autointerp.scorers.base import (
     paired_classification,
     select_active,
 )
+from kvmem.autointerp.scorers.intervals import N_BOOT
 from kvmem.autointerp.scorers.nulls import label_permutation_p, swap_p
 from kvmem.autointerp.scorers.protocols import delphi_fuzzing
-from kvmem.autointerp.scorers.statistics import N_BOOT
 from kvmem.autointerp.splits import splitmix64
 
 __all__ = ["build", "evaluate", "paired", "wrong_position", "NAME", "ANSWER", "ASPECT"]

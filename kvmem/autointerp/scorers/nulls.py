@@ -32,7 +32,7 @@ baseline does the same with the paired bootstrap and the null of the difference 
 re-paired by the same draws).
 
 The draws depend on (seed, number of examples) only, like the bootstrap's
-(:mod:`kvmem.autointerp.scorers.statistics`), so every path that scores a side gets the same numbers.
+(:mod:`kvmem.autointerp.scorers.intervals`), so every path that scores a side gets the same numbers.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from math import comb
 
 import numpy as np
 
-from kvmem.autointerp.scorers.statistics import row_quantiles
+from kvmem.autointerp.scorers.intervals import row_quantiles
 
 __all__ = ["hypergeometric_p", "label_permutation_p", "swap_p", "sign_test_p", "record_permutation",
            "record_permutations", "permutation_p",
@@ -221,7 +221,7 @@ def shifted_interval(observed: float, null: np.ndarray, *, chance: float, level:
 def shifted_intervals(observed, nulls, *, chance: float, level: float = 0.95,
                       fisher: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """:func:`shifted_interval` of many sides: ``observed`` [R], ``nulls`` [R, n] -> (low [R], high [R]), row by row
-    equal (each row's quantiles over its finite entries, :func:`~kvmem.autointerp.scorers.statistics.row_quantiles`)."""
+    equal (each row's quantiles over its finite entries, :func:`~kvmem.autointerp.scorers.intervals.row_quantiles`)."""
     observed, nulls = np.asarray(observed, np.float64), np.asarray(nulls, np.float64)
     nulls = np.where(np.isfinite(nulls), nulls, np.nan)  # what the one-side version drops before mapping
     low_q, high_q = row_quantiles(_scale(nulls, fisher), level=level)

@@ -26,7 +26,7 @@ from kvmem.autointerp.scorers.base import (
     classify,
     paired_classification,
 )
-from kvmem.autointerp.scorers.statistics import N_BOOT
+from kvmem.autointerp.scorers.intervals import N_BOOT
 
 __all__ = ["build", "evaluate", "paired", "NAME", "ANSWER", "ASPECT"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Score, Task
+from kvmem.autointerp.scorers.intervals import N_BOOT, bootstrap, moment_sums, paired_bootstrap, pearson_from
 from kvmem.autointerp.scorers.nulls import hull, permutation_p, record_permutation, shifted_interval
 from kvmem.autointerp.scorers.protocols import neuron_explainer_records
-from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, moment_sums, paired_bootstrap, pearson_from
 
 __all__ = ["build", "evaluate", "paired", "NAME", "ANSWER", "ASPECT", "MAX_TOP", "MAX_RANDOM"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Score, Task
+from kvmem.autointerp.scorers.intervals import N_BOOT, bootstrap, group_sums, paired_bootstrap
 from kvmem.autointerp.scorers.nulls import sign_test_p
-from kvmem.autointerp.scorers.statistics import N_BOOT, bootstrap, group_sums, paired_bootstrap
 from kvmem.autointerp.splits import splitmix64
 from kvmem.experiments.signed_memories import SIDES
 

@@ -1,4 +1,4 @@
-"""The histogram: per neuron, counts over the fixed bins of :mod:`kvmem.scanning.histogram`, and
+"""The histogram: per neuron, counts over the fixed bins of :mod:`kvmem.scanning.bins`, and
 #{m > 0} (the neurons table's ``frac_positive``); the histograms table."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from kvmem.scanning.histogram import HIST_BINS, histogram_fold
+from kvmem.scanning.bins import HIST_BINS, histogram_fold
 from kvmem.scanning.statistics.batch import LayerBatch
 from kvmem.scanning.statistics.statistic import LayerSpec, Statistic
 from kvmem.scanning.statistics.sums import scratch

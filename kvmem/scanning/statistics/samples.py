@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
-from kvmem.scanning.histogram import HIST_BINS, bin_of
+from kvmem.scanning.bins import HIST_BINS, bin_of
 from kvmem.scanning.ordering import KEY_BITS, NO_KEY, keys_or_none, order_by_key
 from kvmem.scanning.reads import Pending, sizes
 from kvmem.scanning.statistics.batch import LayerBatch, RowContextFn

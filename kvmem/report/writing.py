@@ -14,7 +14,7 @@ from kvmem.errors import KvmemError
 from kvmem.report.formats import FORMATS, ReportFormat, get_format
 from kvmem.report.index import index_row
 from kvmem.report.neuron_dict import neuron_data
-from kvmem.report.text import write_text
+from kvmem.report.safe_text import write_text
 
 __all__ = ["RANKINGS", "export_many", "export_neuron", "report_stem", "select_neurons"]
 

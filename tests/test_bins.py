@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmem.scanning.histogram import HIST_BINS, MAGNITUDE_EDGES, bin_edges, bin_index, histogram_update, reference_bin
+from kvmem.scanning.bins import HIST_BINS, MAGNITUDE_EDGES, bin_edges, bin_index, histogram_update, reference_bin
 
 
 def test_edges():
