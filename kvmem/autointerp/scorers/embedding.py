@@ -17,7 +17,7 @@ import numpy as np
 
 from kvmem.autointerp.scorers.base import DEFAULT_PROTOCOL, PER_BAND, Query, Score, Task, select_active
 from kvmem.autointerp.scorers.detection import quiet_examples
-from kvmem.autointerp.scorers.intervals import LEVEL, N_BOOT, rank_auc, resample_counts
+from kvmem.autointerp.scorers.intervals import N_BOOT, percentile_interval, rank_auc, resample_counts
 
 __all__ = ["build", "evaluate", "paired", "answer", "NAME", "ANSWER", "ASPECT", "NEEDS", "MAX_QUIET"]
 
@@ -60,16 +60,6 @@ def _replicates(similarity, truth, *, n_boot: int, seed: int) -> np.ndarray:
         return np.einsum("bp,pn,bn->b", wp, wins, wn) / (wp.sum(axis=1) * wn.sum(axis=1))
 
 
-def _interval(values) -> tuple[float, float]:
-    values = np.asarray(values, np.float64)
-    values = values[np.isfinite(values)]
-    if not len(values):
-        return float("nan"), float("nan")
-    tail = (1 - LEVEL) / 2
-    low, high = np.quantile(values, [tail, 1 - tail])
-    return float(low), float(high)
-
-
 def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge: str = "", scores=None) -> Score:
     from scipy.stats import mannwhitneyu
 
@@ -79,7 +69,7 @@ def evaluate(task: Task, answers, *, seed: int = 0, n_boot: int = N_BOOT, judge:
     if not np.isfinite(score):
         return Score(scorer=NAME, score=score, low=float("nan"), high=float("nan"), n=len(task.codes), judge=judge,
                      codes=task.codes, n_quiet=int((~truth).sum()), protocol=task.protocol)
-    low, high = _interval(_replicates(similarity, truth, n_boot=n_boot, seed=seed))
+    low, high = percentile_interval(_replicates(similarity, truth, n_boot=n_boot, seed=seed))
     p = float(mannwhitneyu(similarity[truth], similarity[~truth], alternative="greater").pvalue)
     return Score(scorer=NAME, score=score, low=low, high=high, n=len(task.codes), judge=judge, codes=task.codes, p=p,
                  n_quiet=int((~truth).sum()), protocol=task.protocol)
@@ -89,5 +79,5 @@ def paired(task: Task, answers, base_answers, *, seed: int = 0, n_boot: int = N_
     truth = np.asarray(task.truth, bool)
     if truth.all() or not truth.any():
         return float("nan"), float("nan")
-    return _interval(_replicates(answers, truth, n_boot=n_boot, seed=seed)
-                     - _replicates(base_answers, truth, n_boot=n_boot, seed=seed))
+    return percentile_interval(_replicates(answers, truth, n_boot=n_boot, seed=seed)
+                               - _replicates(base_answers, truth, n_boot=n_boot, seed=seed))

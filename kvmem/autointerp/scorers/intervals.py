@@ -18,7 +18,7 @@ from kvmem.experiments.stats import average_ranks
 
 __all__ = ["balanced_accuracy", "pearson", "bootstrap", "group_sums", "confusion_sums", "balanced_accuracy_from",
            "moment_sums", "pearson_from", "bootstrap_many", "paired_bootstrap", "classification_metrics",
-           "rank_auc", "resample_counts", "row_quantiles", "paired_bootstrap_many", "N_BOOT", "LEVEL"]
+           "rank_auc", "resample_counts", "row_quantiles", "percentile_interval", "paired_bootstrap_many", "N_BOOT", "LEVEL"]
 
 N_BOOT = 1000
 LEVEL = 0.95
@@ -111,6 +111,13 @@ def bootstrap(statistic, sums, *, n_boot: int = N_BOOT, level: float = LEVEL, se
     if n == 0:
         return float("nan"), float("nan")
     values = np.asarray(statistic(resample_counts(n, n_boot, seed) @ sums), np.float64)
+    return percentile_interval(values, level=level)
+
+
+def percentile_interval(values, *, level: float = LEVEL) -> tuple[float, float]:
+    """The percentile interval of ``values``' finite entries: ``np.quantile`` at (1 - level) / 2 and its
+    complement; (NaN, NaN) when none is finite."""
+    values = np.asarray(values, np.float64)
     values = values[np.isfinite(values)]
     if not len(values):
         return float("nan"), float("nan")
@@ -199,12 +206,7 @@ def paired_bootstrap(statistic, sums_a, sums_b, *, n_boot: int = N_BOOT, level: 
         return float("nan"), float("nan")
     counts = resample_counts(n, n_boot, seed)
     values = np.asarray(statistic(counts @ sums_a), np.float64) - np.asarray(statistic(counts @ sums_b), np.float64)
-    values = values[np.isfinite(values)]
-    if not len(values):
-        return float("nan"), float("nan")
-    tail = (1 - level) / 2
-    low, high = np.quantile(values, [tail, 1 - tail])
-    return float(low), float(high)
+    return percentile_interval(values, level=level)
 
 
 def classification_metrics(totals, *, undefined: float = float("nan")) -> dict:
