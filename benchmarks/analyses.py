@@ -49,7 +49,9 @@ GROWTH = {
     "agreement": ("atlas rows: neurons × kept triggers, and a bootstrap over neurons per layer", "neurons"),
     "next-token-rank": ("neurons × vocab × d_model (the scores, a float32 GEMM per convention, both sides at once) + "
                         "neurons × vocab × log vocab (one sort of each value's scores)", "neurons*vocab*d_model"),
-    "token-removal": ("forwards over a fixed sample of prefixes per layer: layers × parameters", "layers*params"),
+    "token-removal": ("forwards over a fixed sample of prefixes per layer (two per window holding sampled triggers, "
+                      "read at every layer, and one per sample for the random removal): layers × parameters",
+                      "layers*params"),
     "active-memories": ("one forward over a fixed number of positions: parameters", "params"),
     "layer-vs-memories": ("one forward over a fixed number of positions, each memory's top token read from the "
                           "atlas: parameters", "params"),

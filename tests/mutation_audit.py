@@ -33,6 +33,9 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("token removal reads the first-removed prefix one token early", "kvmem/experiments/removal.py",
+             'shifted.setdefault(at - 1, []).append((i, "first"))', 'shifted.setdefault(at - 2, []).append((i, "first"))',
+             ("tests/test_experiments.py",), "token_removal"),
     Mutation("value top tokens read from kept rows of rank 1", "kvmem/experiments/atlas_inputs.py",
              'rows = rows.filter(pc.equal(rows.column("rank"), 0))', 'rows = rows.filter(pc.equal(rows.column("rank"), 1))',
              ("tests/test_experiments.py",), "value_top_tokens"),

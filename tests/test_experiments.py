@@ -326,3 +326,48 @@ def test_token_removal_needs_the_corpus_of_an_in_memory_scan(gpt2_model, tmp_pat
     assert frame.samples.tolist() == [4, 4]
     with pytest.raises(KvmemError, match="not the scanned corpus"):
         E.token_removal(atlas, gpt2_model, ["Other text entirely.", "And more.", "Third."], neurons_per_layer=2)
+
+
+def test_token_removal_values_are_plain_hf_forwards_of_each_modified_prefix(gpt2_model, tmp_path):
+    """Every coefficient against the paper's definition, one plain HF forward per modified prefix with a torch
+    pre-hook on the layer's c_proj: the original prefix (window start .. trigger), without its first token,
+    without its last (read at the new last token) and without the random interior token the sample names.
+    Several triggers share a window here, so the shared reads are checked where they are shared."""
+    from pydoc_data.topics import topics
+
+    docs = [topics[key][:600] for key in sorted(topics)[:4]]
+    atlas = _scan(gpt2_model, docs, tmp_path / "atlas", unit="document", window=24)
+    samples = E.token_removal_samples(atlas, gpt2_model, docs, neurons_per_layer=12, triggers=4, seed=3)
+    assert samples.groupby(["doc", samples.pos // 24]).size().max() > 1  # windows shared by several samples
+    hf = gpt2_model.hf_model
+    captured = {}
+    handles = [getattr(block.mlp.c_proj, "original_component", block.mlp.c_proj).register_forward_pre_hook(
+        lambda module, args, layer=layer: captured.__setitem__(layer, args[0][0].detach().clone()))
+        for layer, block in enumerate(hf.transformer.h)]
+
+    def at_last(ids: list[int], layer: int, neuron: int, back: int = 0) -> float:
+        with torch.no_grad():
+            hf(torch.tensor([[gpt2_model.bos_token_id] + ids]))
+        return float(captured[layer][-1 - back, neuron])
+
+    try:
+        for row in samples.itertuples():
+            ids = gpt2_model.tokenizer(docs[row.doc], add_special_tokens=False)["input_ids"]
+            prefix = ids[row.pos // 24 * 24:row.pos + 1]
+            assert len(prefix) == row.prefix_len
+            expected = {"original": at_last(prefix, row.layer, row.neuron)}
+            if len(prefix) >= 2:
+                expected["first"] = at_last(prefix[1:], row.layer, row.neuron)
+                expected["last"] = at_last(prefix[:-1], row.layer, row.neuron)
+            if len(prefix) >= 3:
+                r = row.random_index
+                expected["random"] = at_last(prefix[:r] + prefix[r + 1:], row.layer, row.neuron)
+            for column in ("original", "first", "last", "random"):
+                got = getattr(row, column)
+                if column in expected:
+                    assert got == pytest.approx(expected[column], rel=1e-5, abs=1e-6), (row.Index, column)
+                else:
+                    assert np.isnan(got), (row.Index, column)
+    finally:
+        for handle in handles:
+            handle.remove()

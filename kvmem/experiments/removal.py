@@ -10,6 +10,10 @@ A prefix of one token has no variant (NaN); one of two tokens has no random vari
 The unmodified recomputation reproduces the atlas's stored activation (``original`` vs ``stored``);
 the summary reports the largest difference. Removing the last token needs no extra forward: in a
 causal model the prefix without its last token is read at the previous position of the original.
+For the same reason the samples of one window share their reads: the unmodified prefixes are read from
+one sequence (the window up to its last sampled trigger) and those without their first token from that
+sequence without its first token, at every sampled layer in one forward. The random removal is one
+sequence per sample, read to its layer.
 
 Signed (gated) FFNs are read as two memories per neuron (:func:`~kvmem.experiments.signed_memories.memory_sides`):
 the negative side samples bottom triggers, and its changes are signed so that a negative change
@@ -143,49 +147,75 @@ def token_removal_samples(atlas: Atlas | str | os.PathLike, model: Model, corpus
                                                                ignore_index=True)
     tokens = _document_tokens(model, corpus, dict(zip(samples.doc.tolist(), samples.doc_id.tolist())))
 
-    # per sample: up to three sequences; reads: (sample, which) -> flattened read index
     n = len(samples)
     values = {name: np.full(n, np.nan) for name in ("original", "first", "last", "random")}
-    prefix_len = np.zeros(n, np.int64)
+    doc_of, pos_of = samples.doc.to_numpy().astype(np.int64), samples.pos.to_numpy().astype(np.int64)
+    layer_of, neuron_of = samples.layer.to_numpy().astype(np.int64), samples.neuron.to_numpy().astype(np.int64)
+    token_of = samples.token_id.to_numpy().astype(np.int64)
+    start_of = np.array([plan.window_start(int(p)) for p in pos_of], np.int64)
+    prefix_len = pos_of + 1 - start_of
+    for i in range(n):
+        ids = tokens[int(doc_of[i])]
+        if pos_of[i] >= len(ids) or ids[pos_of[i]] != token_of[i]:
+            raise KvmemError(f"token {pos_of[i]} of document {doc_of[i]} differs from the atlas's: this is not the "
+                             f"scanned corpus, or the tokenizer differs; pass the scanned corpus (corpus=) and model")
+    hooks = {layer: model.hook_name(layer, "post") for layer in chosen}
+
+    def read(sequences: list, reads: list, targets: list, layers) -> None:
+        """Read each layer of ``layers`` at ``reads``; ``targets[r]``: the (sample, column) pairs read ``r`` fills."""
+        names = [hooks[layer] for layer in sorted(set(layers))]
+
+        def on_batch(index: np.ndarray, captured) -> None:
+            for row, r in enumerate(index.tolist()):
+                for sample, column in targets[r]:
+                    values[column][sample] = float(captured[hooks[layer_of[sample]]][row, neuron_of[sample]])
+
+        read_positions(model, sequences, reads, names, on_batch, batch_tokens=batch_tokens)
+
+    # The unmodified prefix and the one without its first token. In a causal model the coefficient at a prefix's
+    # last token is the one at that position of any sequence that starts with the prefix, so the samples of one
+    # window share two sequences (up to its last sampled trigger, with and without the window's first token), read
+    # at every layer their samples need; the forward stops at the deepest.
+    windows: dict[tuple[int, int], list[int]] = {}
+    for i in range(n):
+        windows.setdefault((int(doc_of[i]), int(start_of[i])), []).append(i)
+    by_depth: dict[int, list[tuple[int, int]]] = {}
+    for window, members in windows.items():
+        by_depth.setdefault(int(layer_of[members].max()), []).append(window)
+    for depth in sorted(by_depth):
+        sequences, reads, targets = [], [], []
+        for doc, start in by_depth[depth]:
+            members = windows[(doc, start)]
+            prefix = tokens[doc][start:int(pos_of[members].max()) + 1]
+            whole: dict[int, list] = {}  # position in the model's input -> what it fills
+            shifted: dict[int, list] = {}  # the same, first token removed
+            for i in members:
+                at = extra + int(prefix_len[i]) - 1
+                whole.setdefault(at, []).append((i, "original"))
+                if prefix_len[i] >= 2:
+                    whole.setdefault(at - 1, []).append((i, "last"))
+                    shifted.setdefault(at - 1, []).append((i, "first"))
+            for sequence, places in ((prefix, whole), (prefix[1:], shifted)):
+                if places:
+                    sequences.append(plan.model_input(sequence))
+                    reads.append(sorted(places))
+                    targets += [places[at] for at in sorted(places)]
+        read(sequences, reads, targets, layer_of[[i for w in by_depth[depth] for i in windows[w]]])
+
+    # The random removal: one sequence per sample, read at its layer.
     random_index = np.full(n, -1, np.int64)
     for s, layer in [(s, layer) for s in range(len(chosen_sides)) for layer in chosen]:
         rng = np.random.default_rng([seed, layer, 1] if s == 0 else [seed, layer, 1, s])  # the random removals
-        rows = np.flatnonzero((samples.layer.to_numpy() == layer) & (samples.side_order.to_numpy() == s))
-        sequences, reads, targets = [], [], []  # targets[r] = (sample row, column name) of read r
+        rows = np.flatnonzero((layer_of == layer) & (samples.side_order.to_numpy() == s) & (prefix_len >= 3))
+        sequences, reads, targets = [], [], []
         for i in rows:
-            doc, pos = int(samples.doc.iat[i]), int(samples.pos.iat[i])
-            ids = tokens[doc]
-            if pos >= len(ids) or ids[pos] != int(samples.token_id.iat[i]):
-                raise KvmemError(f"token {pos} of document {doc} differs from the atlas's: this is not the scanned "
-                                 f"corpus, or the tokenizer differs; pass the scanned corpus (corpus=) and model")
-            prefix = ids[plan.window_start(pos):pos + 1]
-            prefix_len[i] = len(prefix)
-            sequences.append(plan.model_input(prefix))
-            if len(prefix) >= 2:
-                reads.append([extra + len(prefix) - 2, extra + len(prefix) - 1])
-                targets += [(i, "last"), (i, "original")]
-                sequences.append(plan.model_input(prefix[1:]))
-                reads.append([extra + len(prefix) - 2])
-                targets.append((i, "first"))
-            else:
-                reads.append([extra + len(prefix) - 1])
-                targets.append((i, "original"))
-            if len(prefix) >= 3:
-                r = int(rng.integers(1, len(prefix) - 1))
-                random_index[i] = r
-                sequences.append(plan.model_input(prefix[:r] + prefix[r + 1:]))
-                reads.append([extra + len(prefix) - 2])
-                targets.append((i, "random"))
-        neuron_of = np.array([int(samples.neuron.iat[i]) for i, _ in targets], np.int64)
-        hook = model.hook_name(layer, "post")
-
-        def on_batch(index: np.ndarray, captured, targets=targets, neuron_of=neuron_of, hook=hook) -> None:
-            got = captured[hook][np.arange(len(index)), neuron_of[index]].numpy()  # [n] this neuron's m
-            for r, value in zip(index.tolist(), got.tolist()):
-                sample, column = targets[r]
-                values[column][sample] = value
-
-        read_positions(model, sequences, reads, [hook], on_batch, batch_tokens=batch_tokens)
+            prefix = tokens[int(doc_of[i])][int(start_of[i]):int(pos_of[i]) + 1]
+            r = int(rng.integers(1, len(prefix) - 1))
+            random_index[i] = r
+            sequences.append(plan.model_input(prefix[:r] + prefix[r + 1:]))
+            reads.append([extra + len(prefix) - 2])
+            targets.append([(i, "random")])
+        read(sequences, reads, targets, [layer])
 
     out = pd.DataFrame({
         "side": samples.side.to_numpy(), "layer": samples.layer.to_numpy(), "neuron": samples.neuron.to_numpy(), "trigger": samples["rank"].to_numpy(),
