@@ -345,10 +345,10 @@ def test_token_removal_values_are_plain_hf_forwards_of_each_modified_prefix(gpt2
         lambda module, args, layer=layer: captured.__setitem__(layer, args[0][0].detach().clone()))
         for layer, block in enumerate(hf.transformer.h)]
 
-    def at_last(ids: list[int], layer: int, neuron: int, back: int = 0) -> float:
+    def at_last(ids: list[int], layer: int, neuron: int) -> float:
         with torch.no_grad():
             hf(torch.tensor([[gpt2_model.bos_token_id] + ids]))
-        return float(captured[layer][-1 - back, neuron])
+        return float(captured[layer][-1, neuron])
 
     try:
         for row in samples.itertuples():
