@@ -4,8 +4,9 @@ The built-in ``smollm2-135m`` ships as a 4-bit GGUF file (:mod:`kvmem.builtin`).
 it (``from_pretrained(..., gguf_file=...)``), but it parses the file's metadata three times (tokenizer,
 config, weights) and builds a tensor-name table for every architecture llama.cpp knows: about 17 s on
 2 cores, most of a newcomer's first command. This module reads the header once (the vocabulary's
-100,000 strings walked with :mod:`struct`), dequantises each tensor with the ``gguf`` package's own
-:func:`gguf.quants.dequantize`, names the tensors by the Llama layout and undoes llama.cpp's
+100,000 strings walked with :mod:`struct`), dequantises each tensor (the file's block formats, Q4_1 and
+Q8_0, in torch on all cores; any other with the ``gguf`` package's own :func:`gguf.quants.dequantize`),
+names the tensors by the Llama layout and undoes llama.cpp's
 rotary row order in the query and key weights. The config comes from the same metadata through
 transformers' own GGUF key table. ``tests/test_gguf_conversion.py`` holds the result to
 transformers' loading of the same file, tensor by tensor, bit for bit.
@@ -27,7 +28,7 @@ import numpy as np
 
 from kvmem.errors import KvmemError
 
-__all__ = ["GgufFile", "read_gguf", "llama_config", "llama_state_dict"]
+__all__ = ["GgufFile", "read_gguf", "llama_config", "llama_state_dict", "dequantize"]
 
 # fixed-width value types -> struct format (8: string, 9: array)
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -157,28 +158,54 @@ def _hf_name(name: str) -> str:
     raise KvmemError(f"GGUF tensor {name!r} has no place in a Llama checkpoint; kvmem cannot convert this file")
 
 
-def _rotary_rows(weights: np.ndarray, heads: int) -> np.ndarray:
+def _rotary_rows(weights, heads: int):
     """llama.cpp stores each head's query (key) rows with the two rotary halves interleaved; transformers
     wants them as halves: rows (head, pair, 2) -> (head, 2, pair)."""
     pair = weights.shape[0] // heads // 2
-    return weights.reshape(heads, pair, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return weights.reshape(heads, pair, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
+
+
+# ggml type ids of the block formats dequantised in torch (ggml.h): 32 weights a block
+_Q4_1, _Q8_0, _BLOCK_SIZE = 3, 8, 32
+
+
+def dequantize(tensor: Tensor):
+    """A GGUF tensor as float32 torch [shape], the same bits as :func:`gguf.quants.dequantize`.
+
+    Q4_1 blocks are (scale d: f16, minimum m: f16, 16 bytes of 4-bit q: the low nibbles are weights
+    0-15, the high ones 16-31), each weight ``d * q + m``; Q8_0 blocks are (d: f16, 32 int8 q), each
+    weight ``d * q``. Both are computed in float32, a product then a sum (never fused), as the
+    ``gguf`` package computes them; other formats go to that package."""
+    import torch
+
+    if tensor.ggml_type in (_Q4_1, _Q8_0):
+        per_block = tensor.data.shape[-1] * _BLOCK_SIZE // tensor.shape[-1]  # bytes
+        blocks = torch.from_numpy(tensor.data.reshape(-1, per_block).copy())  # the file's view is read-only
+        scale = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
+        if tensor.ggml_type == _Q8_0:
+            weights = blocks[:, 2:].contiguous().view(torch.int8).float().mul_(scale)
+        else:
+            minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()
+            nibbles = blocks[:, 4:]
+            low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).float()  # [blocks, 32] in weight order
+            weights = low.mul_(scale).add_(minimum)
+        return weights.view(tensor.shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    weights = gguf_dequantize(tensor.data, GGMLQuantizationType(tensor.ggml_type)).reshape(tensor.shape)
+    return torch.from_numpy(np.array(weights, dtype=np.float32))  # a copy: the file's view is read-only
 
 
 def llama_state_dict(gguf: GgufFile, config: dict):
     """{transformers name: float32 tensor} of every tensor in the file, dequantised."""
-    import torch
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     state = {}
     for name, tensor in gguf.tensors.items():
-        weights = dequantize(tensor.data, GGMLQuantizationType(tensor.ggml_type)).reshape(tensor.shape)
+        weights = dequantize(tensor)
         if ".attn_q." in name:
             weights = _rotary_rows(weights, heads)
         elif ".attn_k." in name:
             weights = _rotary_rows(weights, kv_heads)
-        if not weights.flags.writeable:  # a float32 tensor viewed in the read-only file
-            weights = weights.copy()
-        state[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
+        state[_hf_name(name)] = weights.contiguous()
     return state

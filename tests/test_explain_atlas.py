@@ -111,6 +111,8 @@ def test_user_file_scored_and_bad_inputs_one_line_each(explain_atlas, tmp_path, 
     pd.DataFrame({"layer": [0], "neuron": [1], "side": ["positive"], "text": ["fires on nouns"]}).to_csv(free, index=False)
     assert "has no rule" in _cli_error(capsys, ["score", "--atlas", path, "--explanations", str(free)])
     assert "say which neurons" in _cli_error(capsys, ["explain", "--atlas", path])
+    assert "--all) means every neuron of the atlas; drop it" in _cli_error(
+        capsys, ["explain", "--atlas", path, "--all", "--layers", "0"])
     assert "unknown explainer 'gpt'" in _cli_error(capsys, ["explain", "--atlas", path, "--all", "--explainer", "gpt"])
     with pytest.raises(KvmemError, match="unknown baseline"):
         kvmem.score(explain_atlas, explanations=good, baseline="shuffled")

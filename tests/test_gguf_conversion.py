@@ -68,7 +68,33 @@ def test_rotary_rows_are_transformers_reverse_permutation():
     processor = LlamaTensorProcessor(config={"num_attention_heads": 8, "num_key_value_heads": 2})
     for name, heads in (("blk.0.attn_q.weight", 8), ("blk.0.attn_k.weight", 2)):
         expected = processor.process(weights=rows[: heads * 8], name=name).weights
-        assert np.array_equal(_rotary_rows(rows[: heads * 8], heads), expected)
+        assert np.array_equal(_rotary_rows(torch.from_numpy(rows[: heads * 8]), heads).numpy(), expected)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "F16", "Q5_0"])
+def test_dequantisation_is_the_gguf_package_s_bit_for_bit(kind):
+    """Blocks of random bytes (every scale and weight bit pattern, NaN and infinite scales included)
+    against gguf.quants.dequantize: the same float32 bits. Q4_1 and Q8_0 run in torch; the others
+    (here F16, Q5_0) are handed to the gguf package."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from kvmem.gguf_conversion import Tensor, dequantize
+
+    kind = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[kind]
+    shape = (6, 4 * block)  # 24 blocks
+    raw = np.random.default_rng(int(kind)).integers(0, 256, (6, 4 * size), dtype=np.uint8)
+    if kind == GGMLQuantizationType.Q4_1:  # one scale and one minimum NaN, one scale infinite
+        raw[0, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
+        raw[1, 2:4] = np.array([np.nan], np.float16).view(np.uint8)
+        raw[2, 0:2] = np.array([np.inf], np.float16).view(np.uint8)
+    raw.flags.writeable = False  # as the file's memory map
+    ours = dequantize(Tensor("t", shape, int(kind), raw))
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 in the reference
+        expected = np.ascontiguousarray(gguf_dequantize(raw, kind).reshape(shape), dtype=np.float32)
+    assert ours.dtype == torch.float32 and tuple(ours.shape) == shape
+    assert np.array_equal(ours.numpy().view(np.int32), expected.view(np.int32))
 
 
 def test_files_kvmem_cannot_convert_get_one_line_errors(tmp_path):

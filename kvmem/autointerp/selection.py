@@ -12,6 +12,9 @@ def select_neurons(atlas, *, layers=None, neurons=None, all: bool = False) -> li
     if not all and layers is None and neurons is None:
         raise KvmemError("say which neurons to explain: layers=[...] (--layers), neurons=[(L, N)] (--neurons L:N,...) "
                          "or all=True (--all)")
+    if all and (layers is not None or neurons is not None):
+        raise KvmemError("all=True (--all) means every neuron of the atlas; drop it to keep only the layers or neurons "
+                         "given, or drop those to keep every neuron")
     chosen = []
     if all:
         layers = atlas.layers
