@@ -165,10 +165,6 @@ def _rotary_rows(weights, heads: int):
     return weights.reshape(heads, pair, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
 
 
-# ggml type ids of the block formats dequantised in torch (ggml.h): 32 weights a block
-_Q4_1, _Q8_0, _BLOCK_SIZE = 3, 8, 32
-
-
 def dequantize(tensor: Tensor):
     """A GGUF tensor as float32 torch [shape], the same bits as :func:`gguf.quants.dequantize`.
 
@@ -177,12 +173,14 @@ def dequantize(tensor: Tensor):
     weight ``d * q``. Both are computed in float32, a product then a sum (never fused), as the
     ``gguf`` package computes them; other formats go to that package."""
     import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    if tensor.ggml_type in (_Q4_1, _Q8_0):
-        per_block = tensor.data.shape[-1] * _BLOCK_SIZE // tensor.shape[-1]  # bytes
+    kind = GGMLQuantizationType(tensor.ggml_type)
+    if kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        per_block = GGML_QUANT_SIZES[kind][1]  # bytes of a block of 32 weights
         blocks = torch.from_numpy(tensor.data.reshape(-1, per_block).copy())  # the file's view is read-only
         scale = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
-        if tensor.ggml_type == _Q8_0:
+        if kind == GGMLQuantizationType.Q8_0:
             weights = blocks[:, 2:].contiguous().view(torch.int8).float().mul_(scale)
         else:
             minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()
@@ -190,10 +188,9 @@ def dequantize(tensor: Tensor):
             low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).float()  # [blocks, 32] in weight order
             weights = low.mul_(scale).add_(minimum)
         return weights.view(tensor.shape)
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    weights = gguf_dequantize(tensor.data, GGMLQuantizationType(tensor.ggml_type)).reshape(tensor.shape)
+    weights = gguf_dequantize(tensor.data, kind).reshape(tensor.shape)
     return torch.from_numpy(np.array(weights, dtype=np.float32))  # a copy: the file's view is read-only
 
 
