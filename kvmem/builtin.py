@@ -144,7 +144,8 @@ def smollm2_dir() -> Path:
 
     def build(out: Path) -> None:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+        from safetensors.torch import save_file
+        from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
         from kvmem.gguf_conversion import llama_config, llama_state_dict, read_gguf
 
@@ -152,11 +153,16 @@ def smollm2_dir() -> Path:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(package, gguf_file=gguf.name)
         weights = read_gguf(gguf)
         config = llama_config(weights)
-        with torch.device("meta"):  # no random init: every parameter comes from the file
-            model = LlamaForCausalLM(LlamaConfig(**config, dtype=torch.float32))
-        model.load_state_dict(llama_state_dict(weights, config), strict=not config["tie_word_embeddings"], assign=True)
-        model.tie_weights()
-        model.save_pretrained(out)
+        hf_config = LlamaConfig(**config, dtype=torch.float32)
+        hf_config.architectures = ["LlamaForCausalLM"]
+        state = llama_state_dict(weights, config)
+        if config["tie_word_embeddings"]:
+            state.pop("lm_head.weight", None)  # the embeddings serve as the unembedding
+        # the files LlamaForCausalLM.save_pretrained writes, byte for byte (tests/test_gguf_conversion.py), without
+        # building the model or its progress bar
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        hf_config.save_pretrained(out)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(out)
         tokenizer.save_pretrained(out)
         provenance = {
             "name": SMOLLM2,

@@ -54,6 +54,11 @@ def test_the_builtin_conversion_equals_transformers_gguf_loading(gguf_file, tmp_
     (tmp_path / "reference").mkdir()
     reference.generation_config.save_pretrained(tmp_path / "reference")
     AutoTokenizer.from_pretrained(package, gguf_file=path.name).save_pretrained(tmp_path / "reference")
+    # the weights file is the one HF's save_pretrained writes for the same tensors (kvmem writes it without
+    # building a model): the same bytes, so the same weights fingerprint whichever wrote it
+    ours.save_pretrained(tmp_path / "resaved")
+    assert filecmp.cmp(converted / "model.safetensors", tmp_path / "resaved" / "model.safetensors", shallow=False)
+    assert filecmp.cmp(converted / "config.json", tmp_path / "resaved" / "config.json", shallow=False)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert filecmp.cmp(converted / name, tmp_path / "reference" / name, shallow=False), name
 
