@@ -88,3 +88,24 @@ def test_a_stream_takes_parts_and_part_builders(tmp_path):
         stream.close()
         out.wait()
     assert not (tmp_path / "c").exists()
+
+    # a stream that holds at most one part ahead: parts handed over after its writer failed do not wait
+    # for it forever (the failure comes out of wait), and one fed in turns with another writes the same file
+    with pytest.raises(RuntimeError, match="part build failed"), writer.TableWriter(tmp_path / "d", overwrite=False) as out:
+        stream = out.stream("histograms", ahead=1)
+        stream.put(fails)
+        for _ in range(20):
+            stream.put(histograms_table([0], states))
+        stream.close()
+        out.wait()
+    assert not (tmp_path / "d").exists()
+    with writer.TableWriter(tmp_path / "e", overwrite=False) as out:
+        streams = [out.stream(name, ahead=1) for name in ("triggers", "samples", "histograms")]
+        for layer in (0, 1, 3):  # three streams fed in turns, each at most one part ahead: none waits on another
+            for stream in streams[:2]:
+                stream.put(lambda: None)
+            streams[2].put(histograms_table([layer], states))
+        for stream in streams:
+            stream.close()
+        out.wait()
+    assert (tmp_path / "e" / "histograms.parquet").read_bytes() == (whole / "histograms.parquet").read_bytes()

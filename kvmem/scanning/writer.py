@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from kvmem.schema import FORMAT_VERSION, conform
 __all__ = ["write_atlas", "TableWriter", "TableStream", "build_manifest", "torch_threads", "link_or_copy", "STATE_DIR"]
 
 STATE_DIR = "state"  # inside a shard atlas: its mergeable scan state (see kvmem.scanning.checkpoint)
+PARTS_AHEAD = 2  # layer parts of a table built but not yet written, at most, while an atlas is written
 
 
 @contextmanager
@@ -54,9 +56,10 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
     """Tables from a finished (merged) scan state, the projection tables (``config.projections == "eager"``:
     from the per-model cache), manifest last.
 
-    The statistics' layer tables (triggers, samples, histograms, ...) are built layer by layer in their writer
-    threads, each thread building a part and then encoding it, while this thread builds the others (phase
-    "texts": every table built and written; "write": the projections linked and the manifest)."""
+    The statistics' layer tables (triggers, samples, histograms, ...) are built here, a layer of every table at a
+    time, and each is encoded by a writer thread of its own as its parts come, so the encoding of the largest one
+    (the samples) never waits for its own parts to be built (phase "texts": every table built and written;
+    "write": the projections linked and the manifest)."""
     layers = state.layers
     statistics = state.statistics
     with TableWriter(target, overwrite=overwrite, columns=statistics.table_columns()) as out:
@@ -71,13 +74,13 @@ def write_atlas(target: Path, model: Model, corpus: dict, config: ScanConfig, pl
             out.add("neurons", neurons_table(model, state))
             bar.update()
             with torch_threads(1):  # gathers and copies only; torch's workers would wait on the writers' cores
-                # the layer tables are built in their writer threads, a layer at a time, each part encoded by the
-                # thread that built it (this thread only hands the builders over)
-                for table, statistic in tables:
-                    stream = out.stream(table)
-                    for layer in layers:
-                        stream.put(lambda table=table, layer=layer, statistic=statistic:
-                                   state.layer_states[layer].part(table, layer, statistic))
+                # a layer of every table at a time: the writers encode while this thread builds, each at most
+                # PARTS_AHEAD parts behind (memory: a few layers' parts, whatever the atlas's size)
+                streams = [(out.stream(table, ahead=PARTS_AHEAD), table, statistic) for table, statistic in tables]
+                for layer in layers:
+                    for stream, table, statistic in streams:
+                        stream.put(state.layer_states[layer].part(table, layer, statistic))
+                for stream, _, _ in streams:
                     stream.close()
                     bar.update()
                 out.add("contexts", contexts_table(model, config, plan, state, state.kept_positions()))
@@ -112,7 +115,8 @@ class TableWriter:
     ``add(name, table)`` starts writing a table at once, in one of two threads (parquet encoding and
     compression release the GIL), so callers build the next table meanwhile; ``stream(name)`` does the
     same for a table handed over in parts (whole layers, in table order, or functions that build them),
-    each written as it comes; ``wait`` waits for every table so far; ``finish`` waits too, keeps the scan
+    each written as it comes by a thread of the stream's own (so streams fed in turns never wait on each
+    other); ``wait`` waits for every table so far; ``finish`` waits too, keeps the scan
     state of a shard atlas, and writes the manifest last. An existing ``target`` is refused
     (FileExistsError) unless ``overwrite``.
 
@@ -132,6 +136,7 @@ class TableWriter:
             raise FileExistsError(self.target)
         self._futures: list = []
         self._streams: list[TableStream] = []
+        self._stream_pools: list[ThreadPoolExecutor] = []
 
     def __enter__(self) -> TableWriter:
         self._stage = staged_directory(self.target)
@@ -144,12 +149,15 @@ class TableWriter:
         self._futures.append(self._pool.submit(write_parquet, self.directory / f"{name}.parquet",
                                                conform(table, name, self.columns.get(name))))
 
-    def stream(self, name: str) -> TableStream:
-        """A table written part by part in a thread as :meth:`TableStream.put` hands the parts over; the same
-        file as ``add`` of the parts joined. Close it (:meth:`TableStream.close`) before ``finish``."""
-        stream = TableStream(name, self.columns.get(name))
+    def stream(self, name: str, *, ahead: int = 0) -> TableStream:
+        """A table written part by part in a thread of its own as :meth:`TableStream.put` hands the parts over;
+        the same file as ``add`` of the parts joined. ``ahead``: parts handed over but not yet written before
+        ``put`` waits (0: no limit). Close it (:meth:`TableStream.close`) before ``finish``."""
+        stream = TableStream(name, self.columns.get(name), ahead=ahead)
         self._streams.append(stream)
-        self._futures.append(self._pool.submit(stream.drain, self.directory / f"{name}.parquet"))
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvmem-{name}")
+        self._stream_pools.append(pool)
+        self._futures.append(pool.submit(stream.drain, self.directory / f"{name}.parquet"))
         return stream
 
     def link(self, name: str, source: str | os.PathLike) -> None:
@@ -175,39 +183,54 @@ class TableWriter:
             stream.close()
         for future in self._futures:
             future.cancel()
-        self._pool.shutdown(wait=True)  # no thread writes into the directory once it is renamed or removed
+        for pool in (self._pool, *self._stream_pools):
+            pool.shutdown(wait=True)  # no thread writes into the directory once it is renamed or removed
         return self._stage.__exit__(kind, error, traceback)
 
 
 class TableStream:
     """The parts of one table on their way to its writer thread (see :meth:`TableWriter.stream`)."""
 
-    def __init__(self, name: str, columns: dict | None = None):
+    def __init__(self, name: str, columns: dict | None = None, *, ahead: int = 0):
         self.name, self.columns = name, columns
-        self._parts: queue.SimpleQueue = queue.SimpleQueue()
+        self._parts: queue.Queue = queue.Queue(maxsize=ahead)
         self._closed = False
+        self._ended = threading.Event()  # the writer thread is done (finished or failed): nobody takes parts
 
     def put(self, part: pa.Table | Callable[[], pa.Table | None] | None) -> None:
         """Hand over the next part (rows of whole layers, in table order), or a function that builds it in the
-        writer thread; None (or a function returning None): nothing for this layer."""
+        writer thread; None (or a function returning None): nothing for this layer. Waits while the stream
+        holds ``ahead`` parts not yet written; once its writer has failed, parts are dropped (the failure is
+        raised by :meth:`TableWriter.wait`)."""
         if self._closed:
             raise ValueError(f"table stream {self.name!r} is closed")
         if part is not None:
-            self._parts.put(part)
+            self._hand(part)
 
     def close(self) -> None:
         """No more parts (idempotent): the thread finishes the file."""
         if not self._closed:
             self._closed = True
-            self._parts.put(None)
+            self._hand(None)
+
+    def _hand(self, item) -> None:
+        while not self._ended.is_set():
+            try:
+                self._parts.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
 
     def drain(self, path: Path) -> None:
         """Run in a writer thread: write each part as it comes (a callable: built here first), until :meth:`close`."""
-        with LayerParts(path) as out:
-            while (part := self._parts.get()) is not None:
-                part = part() if callable(part) else part
-                if part is not None:
-                    out.write(conform(part, self.name, self.columns))
+        try:
+            with LayerParts(path) as out:
+                while (part := self._parts.get()) is not None:
+                    part = part() if callable(part) else part
+                    if part is not None:
+                        out.write(conform(part, self.name, self.columns))
+        finally:
+            self._ended.set()
 
 
 def link_or_copy(source: Path, target: Path) -> None:
