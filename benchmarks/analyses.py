@@ -48,7 +48,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
 GROWTH = {
     "agreement": ("atlas rows: neurons × kept triggers, and a bootstrap over neurons per layer", "neurons"),
     "next-token-rank": ("neurons × vocab × d_model (the scores, a float32 GEMM per convention, both sides at once) + "
-                        "neurons × vocab × log vocab (one sort of each value's scores)", "neurons*vocab*d_model"),
+                        "neurons × vocab (one counting pass over each value's scores)", "neurons*vocab*d_model"),
     "token-removal": ("forwards over a fixed sample of prefixes per layer (two per window holding sampled triggers, "
                       "read at every layer, and one per sample for the random removal): layers × parameters",
                       "layers*params"),

@@ -196,6 +196,25 @@ def test_pair_ranks_with_nan_signed_zeros_and_infinities_follow_the_counting_def
         assert got.tolist() == expected
 
 
+def test_pair_ranks_on_a_wide_vocabulary_equal_the_count_over_the_row():
+    """Continuous scores over a vocabulary wider than the counting's bins (most scores counted a bin at a time),
+    repeated tokens, both signs, a row of one value, a row spanning 1e-30..1e30 and rows without pairs: each
+    rank is 1 + np.count_nonzero(row > score) (+v) or (row < score) (-v)."""
+    rng = np.random.default_rng(7)
+    scores = rng.standard_normal((40, 30_000)).astype(np.float32)
+    scores[3] = 0.25
+    scores[5] = (rng.choice([-1, 1], 30_000) * 10.0 ** rng.uniform(-30, 30, 30_000)).astype(np.float32)
+    slots = rng.choice([0, 1, 2, 3, 5, 8, 13, 21, 34, 39], 4_000)
+    tokens = rng.integers(0, 30_000, 4_000)
+    tokens[::4] = tokens[0]  # one token needed by many pairs of a row
+    signs = rng.choice([-1, 1], 4_000)
+    expected = [1 + (np.count_nonzero(scores[s] > scores[s, t]) if g > 0 else np.count_nonzero(scores[s] < scores[s, t]))
+                for s, t, g in zip(slots, tokens, signs)]
+    for block in (16, 64):  # identity vectors: the scores are the basis's rows, exactly
+        got = E.pair_ranks(torch.eye(40), torch.from_numpy(scores), slots, tokens, signs=signs, block=block)
+        assert got.tolist() == expected
+
+
 def test_summarize_ranks_exact_quantiles():
     ranks = pd.DataFrame({"layer": [0] * 5 + [1] * 2, "token_rank": [1, 2, 3, 4, 100, 1, 1],
                           "shuffled_rank": [10, 20, 30, 40, 50, 7, 9]})

@@ -7,7 +7,7 @@ with every vocabulary score: rank = 1 + number of tokens scored strictly higher 
 top token). The pooled rank and the top-1 trigger's rank are both summarised, under every
 convention asked for (``raw`` is Geva et al.'s). A rank is a count of the scores above the token's,
 over the value's vocabulary scores computed block by block (``block`` slots × vocab at a time; the slots
-× vocab matrix never exists), read off each row sorted once by a binary search.
+× vocab matrix never exists), counted in one pass over each row (no sort of the vocabulary).
 
 Baseline: the same triggers ranked under another neuron's value of the layer (a seeded random
 derangement), compared per neuron with a paired Wilcoxon signed-rank test and a sign test. A
@@ -93,8 +93,9 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     vectors [rows, d_model], basis [d_model, vocab], slots, tokens and signs (+1 / -1, default +1)
     [pairs]. Returns ranks [pairs] int64, 1 + #(scores strictly above the token's score): tokens tied
     with it do not count, so tied tokens share the best rank among them, as after a full sort. The
-    scores are float32, computed ``block`` rows × vocab at a time; each row with pairs is sorted once and a
-    pair's rank is a binary search in it (exactly the count over the row, whatever the number of pairs).
+    scores are float32, computed ``block`` rows × vocab at a time; the ranks of all pairs of a block are
+    counted in one pass over its rows (:func:`_count_beyond`: exactly the count over the row, whatever the
+    number of pairs).
     """
     import torch
 
@@ -120,29 +121,97 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     return out
 
 
+_BINS = 4096  # uniform bins between a row's least and greatest needed score (see _count_beyond)
+
+
 def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """Per pair p: how many of the scores [rows[p], :] lie strictly above its token's score
-    scores[rows[p], tokens[p]] (signs[p] = +1) or strictly below it (-1, the rank under -v).
+    t = scores[rows[p], tokens[p]] (signs[p] = +1) or strictly below it (-1, the rank under -v).
 
-    Each row with pairs is sorted once; a count is then a binary search of the token's score in its
-    sorted row (float comparisons, so -0.0 equals 0.0). NaN scores never count, and a NaN token
-    score has no score beyond it, as with ``np.count_nonzero(line > score)``."""
+    Exact counts in linear time, no sort of the vocabulary. A row's distinct needed scores, ascending,
+    are its thresholds T_0 < ... < T_{W-1}; every score s has ``left(s)`` = #{T_j < s} and ``right(s)``
+    = #{T_j <= s}, so #{s > T_j} = #{s: left(s) > j} and #{s < T_j} = #{s: right(s) <= j}: histograms of
+    left and right summed from either end. left and right come from a monotone bin of each score
+    (``_BINS`` uniform bins over the thresholds' range, and two outer bins): in a bin that holds no
+    threshold both equal the number of thresholds in lower bins (a lower bin is a smaller value), so
+    those scores are counted per bin; only the scores sharing a bin with thresholds are compared with
+    them one by one. Float comparisons throughout (-0.0 equals 0.0); NaN scores never count, and a NaN
+    token score has no score beyond it, as with ``np.count_nonzero(line > score)``."""
+    import torch
+
     used, at = np.unique(rows, return_inverse=True)
-    ordered = np.sort(scores[used], axis=1)  # ascending, NaN last
-    vocab = scores.shape[1]
-    valid = np.full(len(used), vocab, np.int64)  # each row's scores that are not NaN
-    has_nan = np.isnan(ordered[:, -1])
-    valid[has_nan] = vocab - np.count_nonzero(np.isnan(ordered[has_nan]), axis=1)
     needed = scores[rows, tokens]
-    counts = np.zeros(len(rows), np.int64)
-    by_row = np.argsort(at, kind="stable")
-    bounds = np.searchsorted(at[by_row], np.arange(len(used) + 1))
-    for i in range(len(used)):
-        pairs = by_row[bounds[i]:bounds[i + 1]]
-        line, score = ordered[i, :valid[i]], needed[pairs]
-        above = valid[i] - np.searchsorted(line, score, side="right")
-        below = np.searchsorted(line, score, side="left")
-        counts[pairs] = np.where(signs[pairs] > 0, above, below)
+    # the thresholds: each row's distinct needed scores, ascending (NaN as +inf, counted 0 at the end)
+    key = np.where(np.isnan(needed), np.inf, needed).astype(np.float32)
+    order = np.lexsort((key, at))  # by row, then score
+    row_sorted, key_sorted = at[order], key[order]
+    starts = np.ones(len(order), bool)
+    starts[1:] = (row_sorted[1:] != row_sorted[:-1]) | (key_sorted[1:] != key_sorted[:-1])
+    distinct = np.cumsum(starts) - 1  # a global index of each distinct (row, score)
+    first = np.searchsorted(row_sorted, np.arange(len(used)))  # each row's first pair in the order
+    row_first = distinct[first]  # the index of each row's first distinct score
+    place = np.empty(len(rows), np.int64)  # each pair's threshold index j within its row
+    place[order] = distinct - row_first[row_sorted]
+    width = int(place.max()) + 1
+    thresholds = np.full((len(used), width), np.inf, np.float32)
+    thresholds[at, place] = key
+    real = np.zeros((len(used), width), bool)
+    real[at, place] = True
+    with np.errstate(all="ignore"):
+        finite = np.where(real & np.isfinite(thresholds), thresholds, np.nan)
+        any_finite = np.isfinite(finite).any(axis=1)
+        low = np.where(any_finite, np.nanmin(np.where(any_finite[:, None], finite, 0), axis=1), 0).astype(np.float32)
+        high = np.where(any_finite, np.nanmax(np.where(any_finite[:, None], finite, 0), axis=1), 0).astype(np.float32)
+        span = high.astype(np.float64) - low
+        scale = np.where(span > 0, np.minimum((_BINS - 1) / np.where(span > 0, span, 1.0), 1e30), 1.0)
+    low_t, scale_t = torch.from_numpy(low)[:, None], torch.from_numpy(scale.astype(np.float32))[:, None]
+    bins = _BINS + 2
+
+    def bin_of(values: torch.Tensor) -> torch.Tensor:
+        """Monotone in the value (a lower bin holds smaller values): floor((s - low) * scale) + 1 in 0..bins-1
+        (clamped first, so truncation is the floor). ``values`` hold no NaN."""
+        return values.sub(low_t).mul_(scale_t).add_(1).clamp_(0, bins - 1).long()
+
+    with torch.inference_mode():
+        line = torch.from_numpy(scores)  # [U, V]: the rows with pairs
+        if len(used) < scores.shape[0]:
+            line = line.index_select(0, torch.from_numpy(used))
+        u = line.shape[0]
+        nan = torch.isnan(line)
+        has_nan = bool(nan.any())
+        t = torch.from_numpy(thresholds)
+        in_bin = torch.zeros((u, bins), dtype=torch.int64).scatter_add_(1, bin_of(t), torch.from_numpy(real).long())
+        below = in_bin.cumsum(1) - in_bin  # real thresholds in lower bins
+        s_bin = bin_of(line.masked_fill(nan, 0) if has_nan else line)  # [U, V]
+        offset = (torch.arange(u) * bins)[:, None]
+        flat = s_bin.add_(offset).view(-1)
+        per_bin = torch.bincount(flat[~nan.view(-1)] if has_nan else flat, minlength=u * bins).view(u, bins)
+        # scores in bins without thresholds: left = right = the thresholds below, counted a bin at a time
+        quiet = torch.where(in_bin == 0, per_bin, 0)
+        left_hist = torch.zeros((u, width + 1), dtype=torch.int64).scatter_add_(1, below, quiet)
+        right_hist = left_hist.clone()
+        # the others, each compared with the thresholds of its bin
+        special = (in_bin > 0).view(-1).index_select(0, flat)
+        if has_nan:
+            special &= ~nan.view(-1)
+        at_flat = special.nonzero().squeeze(1)
+        if at_flat.numel():
+            r = at_flat // line.shape[1]
+            s = line.view(-1).index_select(0, at_flat)
+            cell = flat.index_select(0, at_flat)
+            base, count = below.view(-1).index_select(0, cell), in_bin.view(-1).index_select(0, cell)
+            left_s, right_s = base.clone(), base.clone()
+            for k in range(int(count.max())):  # distinct thresholds: few share a bin
+                active = count > k
+                value = t[r, (base + k).clamp_(max=width - 1)]
+                left_s += (active & (value < s)).long()
+                right_s += (active & (value <= s)).long()
+            left_hist.view(-1).index_add_(0, r * (width + 1) + left_s, torch.ones_like(r))
+            right_hist.view(-1).index_add_(0, r * (width + 1) + right_s, torch.ones_like(r))
+        above = left_hist.flip(1).cumsum(1).flip(1)  # above[:, q] = #{left >= q}
+        under = right_hist.cumsum(1)  # under[:, q] = #{right <= q}
+        row, j = torch.from_numpy(at), torch.from_numpy(place)
+        counts = torch.where(torch.from_numpy(signs) > 0, above[row, j + 1], under[row, j]).numpy().copy()
     counts[np.isnan(needed)] = 0
     return counts
 
