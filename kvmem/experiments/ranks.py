@@ -112,19 +112,37 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     order = np.argsort(slots, kind="stable")
     sorted_slots = slots[order]
     basis = basis.float()
+    work: dict = {}  # the blocks' buffers, reused (each of a block's size: fresh ones cost page faults)
     with torch.inference_mode():
         for start in np.unique(sorted_slots // block) * block:
             lo, hi = np.searchsorted(sorted_slots, [start, start + block])
-            scores = (vectors[start:start + block].float() @ basis).numpy()  # [block, vocab] float32
+            rows = vectors[start:start + block].float()
+            scores = torch.matmul(rows, basis, out=_buffer(work, "scores", (rows.shape[0], basis.shape[1]),
+                                                           torch.float32)).numpy()  # [block, vocab]
             members = order[lo:hi]
-            out[members] = _count_beyond(scores, slots[members] - start, tokens[members], signs[members]) + 1
+            out[members] = _count_beyond(scores, slots[members] - start, tokens[members], signs[members],
+                                         work=work) + 1
     return out
+
+
+def _buffer(work: dict | None, name: str, shape: tuple, dtype):
+    """A tensor of ``shape`` from ``work`` (kept there for the next call), or a new one without ``work``."""
+    import torch
+
+    size = int(np.prod(shape))
+    held = None if work is None else work.get((name, dtype))
+    if held is None or held.numel() < size:
+        held = torch.empty(size, dtype=dtype)
+        if work is not None:
+            work[(name, dtype)] = held
+    return held[:size].view(shape)
 
 
 _BINS = 4096  # uniform bins between a row's least and greatest needed score (see _count_beyond)
 
 
-def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, signs: np.ndarray) -> np.ndarray:
+def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, signs: np.ndarray, *,
+                  work: dict | None = None) -> np.ndarray:
     """Per pair p: how many of the scores [rows[p], :] lie strictly above its token's score
     t = scores[rows[p], tokens[p]] (signs[p] = +1) or strictly below it (-1, the rank under -v).
 
@@ -136,7 +154,8 @@ def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, sign
     threshold both equal the number of thresholds in lower bins (a lower bin is a smaller value), so
     those scores are counted per bin; only the scores sharing a bin with thresholds are compared with
     them one by one. Float comparisons throughout (-0.0 equals 0.0); NaN scores never count, and a NaN
-    token score has no score beyond it, as with ``np.count_nonzero(line > score)``."""
+    token score has no score beyond it, as with ``np.count_nonzero(line > score)``. ``work``: buffers kept
+    between calls (:func:`_buffer`)."""
     import torch
 
     used, at = np.unique(rows, return_inverse=True)
@@ -167,10 +186,12 @@ def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, sign
     low_t, scale_t = torch.from_numpy(low)[:, None], torch.from_numpy(scale.astype(np.float32))[:, None]
     bins = _BINS + 2
 
-    def bin_of(values: torch.Tensor) -> torch.Tensor:
+    def bin_of(values: torch.Tensor, name: str) -> torch.Tensor:
         """Monotone in the value (a lower bin holds smaller values): floor((s - low) * scale) + 1 in 0..bins-1
-        (clamped first, so truncation is the floor). ``values`` hold no NaN."""
-        return values.sub(low_t).mul_(scale_t).add_(1).clamp_(0, bins - 1).long()
+        (clamped first, so truncation is the floor), int32. ``values`` hold no NaN."""
+        x = torch.sub(values, low_t, out=_buffer(work, name, values.shape, torch.float32))
+        x.mul_(scale_t).add_(1).clamp_(0, bins - 1)
+        return _buffer(work, name, values.shape, torch.int32).copy_(x)
 
     with torch.inference_mode():
         line = torch.from_numpy(scores)  # [U, V]: the rows with pairs
@@ -180,10 +201,11 @@ def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, sign
         nan = torch.isnan(line)
         has_nan = bool(nan.any())
         t = torch.from_numpy(thresholds)
-        in_bin = torch.zeros((u, bins), dtype=torch.int64).scatter_add_(1, bin_of(t), torch.from_numpy(real).long())
+        in_bin = torch.zeros((u, bins), dtype=torch.int64).scatter_add_(1, bin_of(t, "t").long(),
+                                                                        torch.from_numpy(real).long())
         below = in_bin.cumsum(1) - in_bin  # real thresholds in lower bins
-        s_bin = bin_of(line.masked_fill(nan, 0) if has_nan else line)  # [U, V]
-        offset = (torch.arange(u) * bins)[:, None]
+        s_bin = bin_of(line.masked_fill(nan, 0) if has_nan else line, "line")  # [U, V]
+        offset = (torch.arange(u, dtype=torch.int32) * bins)[:, None]
         flat = s_bin.add_(offset).view(-1)
         per_bin = torch.bincount(flat[~nan.view(-1)] if has_nan else flat, minlength=u * bins).view(u, bins)
         # scores in bins without thresholds: left = right = the thresholds below, counted a bin at a time
@@ -271,8 +293,8 @@ def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, conventi
                     "self_rank": mine[2 * n:]}))
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(RANK_COLUMNS))
     if len(out):  # side, then convention, then layer: the order of agreement's rows
-        order = np.lexsort((out.layer.to_numpy(), out.convention.map(conventions.index).to_numpy(),
-                            out.side.map(list(chosen_sides).index).to_numpy()))
+        order = np.lexsort((out.layer.to_numpy(), pd.Categorical(out.convention, categories=conventions).codes,
+                            pd.Categorical(out.side, categories=list(chosen_sides)).codes))
         out = out.iloc[order].reset_index(drop=True)
     out.attrs = provenance("next_token_rank", model=model, atlas=atlas, convention=conventions[0], settings={
         "conventions": conventions, "sides": list(chosen_sides), "triggers": triggers, "kind": kind, "layers": chosen,
