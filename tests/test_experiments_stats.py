@@ -151,6 +151,18 @@ def test_sign_test_exact():
     assert sign_test([1, -1])["p_value"] == 1.0
 
 
+@pytest.mark.parametrize("n, positive", [(301, 0), (301, 140), (301, 150), (1536, 700), (1536, 1536)])
+def test_sign_test_exact_on_many_neurons_is_the_binomial_tail(n, positive):
+    """The tail summed from the definition, C(n, k) for every k <= min(k, n - k), in exact rational arithmetic."""
+    from fractions import Fraction
+    from math import comb
+
+    tail = sum(comb(n, k) for k in range(min(positive, n - positive) + 1))
+    expected = float(min(Fraction(1), Fraction(2 * tail, 2 ** n)))
+    got = sign_test([1.0] * positive + [-1.0] * (n - positive))
+    assert (got["n"], got["positive"], got["p_value"]) == (n, positive, expected)
+
+
 # ---- signed memories ----
 def test_memory_sides():
     assert memory_sides(False) == ("positive",)
