@@ -33,6 +33,19 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("next-token rank counts a threshold equal to the score as below it", "kvmem/experiments/ranks.py",
+             "left_s += (active & (value < s)).long()", "left_s += (active & (value <= s)).long()",
+             ("tests/test_experiments.py",), "pair_ranks"),
+    Mutation("next-token rank counts the scores of a bin with thresholds twice", "kvmem/experiments/ranks.py",
+             "quiet = torch.where(in_bin == 0, per_bin, 0)", "quiet = per_bin", ("tests/test_experiments.py",),
+             "pair_ranks"),
+    Mutation("sign test's binomial tail one term short", "kvmem/experiments/stats.py",
+             "for k in range(min(positive, n - positive)):", "for k in range(max(min(positive, n - positive) - 1, 0)):",
+             ("tests/test_experiments_stats.py",), "sign_test"),
+    Mutation("atlas layer tables built for the first table only", "kvmem/scanning/writer.py",
+             "for stream, table, statistic in streams:\n                        stream.put(",
+             "for stream, table, statistic in streams[:1]:\n                        stream.put(",
+             ("tests/test_scan.py",), None),
     Mutation("token removal reads the first-removed prefix one token early", "kvmem/experiments/removal.py",
              'shifted.setdefault(at - 1, []).append((i, "first"))', 'shifted.setdefault(at - 2, []).append((i, "first"))',
              ("tests/test_experiments.py",), "token_removal"),
