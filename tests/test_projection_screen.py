@@ -152,3 +152,25 @@ def test_the_screen_stays_exact_when_float32_matmuls_round_their_inputs():
     finally:
         torch.set_float32_matmul_precision(before)
     assert_exact(projection, vectors, basis, N)
+
+
+def test_the_exact_rescoring_adds_in_index_order_where_the_order_shows():
+    """Rows built so that the order of the float64 additions decides the result: (2^60 + c) - 2^60 is 0 in
+    index order, c in most others. The rescoring of the screen's candidates equals the oracle's index-order
+    sum, token by token, on the CPU."""
+    from kvmem.scanning.projection_screen import _exact_gathered
+
+    rng = np.random.default_rng(5)
+    d, vocab, rows, m = 6, 400, 150, 12
+    vectors = rng.standard_normal((rows, d)).astype(np.float32)
+    vectors[::3, 0], vectors[::3, 2] = 2.0**60, -(2.0**60)  # cancel only after the small terms are lost
+    basis = rng.integers(-3, 4, (d, vocab)).astype(np.float32)
+    basis[0], basis[2] = 1.0, 1.0
+    ids = np.sort(rng.integers(0, vocab, (rows, m)), axis=1)
+    expected = exact_scores(vectors, basis)
+    got = _exact_gathered(torch.from_numpy(vectors), torch.from_numpy(basis.T.copy()), torch.from_numpy(ids),
+                          rows_per_step=16).numpy()
+    assert np.array_equal(got, np.take_along_axis(expected, ids, 1))
+    # another order (the small terms first) keeps them: the test can tell the orders apart
+    other = (vectors[:, [1, 3, 4, 5, 0, 2]].astype(np.float64) @ basis[[1, 3, 4, 5, 0, 2]].astype(np.float64))
+    assert (other.astype(np.float32)[::3] != expected[::3]).mean() > 0.5

@@ -64,9 +64,10 @@ def _screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
         a = vectors[start:start + block].to(device, torch.float32)  # [block, d]
         screen = a @ basis.matrix  # [block, vocab]
         x, _, beta, tau = screen_bound(a, basis, precise=precise)
-        bound = (x.double() * basis.max_norm + beta * screen.abs().amax(dim=1).double() + tau.double()) * _UP
         top = torch.topk(screen, keep, dim=1)
         bottom = torch.topk(screen, keep, dim=1, largest=False)
+        peak = torch.maximum(top.values[:, 0], bottom.values[:, 0].neg())  # max |S| per row (NaN stays NaN)
+        bound = (x.double() * basis.max_norm + beta * peak.double() + tau.double()) * _UP
         enough = torch.full_like(tau, keep == vocab, dtype=torch.bool)
         clear_top = top.values[:, keep - 1].double() < top.values[:, n - 1].double() - 2 * bound
         clear_bottom = bottom.values[:, keep - 1].double() > bottom.values[:, n - 1].double() + 2 * bound
@@ -78,7 +79,7 @@ def _screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
             rows = ok.nonzero().squeeze(1)
             for side, (ids, largest) in enumerate(((top.indices, True), (bottom.indices, False))):
                 ids = ids[rows].sort(dim=1).values  # [ok rows, keep], ascending
-                step = rows.numel() if device.type == "cuda" else 128  # a GPU takes the block at once
+                step = rows.numel() if device.type == "cuda" else 64  # a GPU takes the block at once
                 scores = _exact_gathered(a[rows], basis.columns, ids, rows_per_step=step)
                 chosen, scores = _order(ids, scores, n, largest)
                 out[2 * side][rows], out[2 * side + 1][rows] = chosen, scores
@@ -103,15 +104,22 @@ def _order(ids: Tensor, scores: Tensor, n: int, largest: bool) -> tuple[Tensor, 
     return ids.gather(1, order), scores.gather(1, order)
 
 
-def _exact_gathered(a: Tensor, columns: Tensor, ids: Tensor, *, rows_per_step: int = 128) -> Tensor:
-    """float32 [rows, m]: a [rows, d] against columns[ids] [rows, m, d], float64 in index order."""
+def _exact_gathered(a: Tensor, columns: Tensor, ids: Tensor, *, rows_per_step: int = 64) -> Tensor:
+    """float32 [rows, m]: a [rows, d] against columns[ids] [rows, m, d], float64 in index order.
+
+    Each product of two float32 numbers is exact in float64; the sum adds them one after another in index
+    order. On a CPU that is the last entry of ATen's ``cumsum`` along d (its CPU kernel adds the terms in
+    order, in float64, from 0); elsewhere (a GPU's cumsum is a parallel scan) a loop over d."""
     out = torch.empty(ids.shape, dtype=torch.float32, device=a.device)
     for start in range(0, a.shape[0], rows_per_step):
         part = columns[ids[start:start + rows_per_step]]  # [step, m, d] float32
         a64 = a[start:start + rows_per_step].double()
-        total = torch.zeros(part.shape[:2], dtype=torch.float64, device=a.device)
-        for i in range(a.shape[1]):
-            total.addcmul_(a64[:, i:i + 1], part[:, :, i].double())  # an exact product: fused or not, the same
+        if a.device.type == "cpu":
+            total = part.double().mul_(a64[:, None, :]).cumsum(2)[:, :, -1]
+        else:
+            total = torch.zeros(part.shape[:2], dtype=torch.float64, device=a.device)
+            for i in range(a.shape[1]):
+                total.addcmul_(a64[:, i:i + 1], part[:, :, i].double())  # an exact product: fused or not, the same
         out[start:start + rows_per_step] = total.float()
     return out
 

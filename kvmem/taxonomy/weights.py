@@ -72,15 +72,24 @@ def vocab_moments(values: Tensor, unit_w_u: Tensor, *, block: int = 128) -> dict
     n = values.shape[0]
     out = {name: np.empty(n) for name in ("mean", "std", "skew", "kurtosis")}
     unit_w_u = unit_w_u.float()
+    held: dict[str, Tensor] = {}  # the blocks' [b, vocab] buffers, reused (fresh ones of this size cost page faults)
+
+    def buffer(name: str, rows: int, dtype) -> Tensor:
+        if name not in held or held[name].shape[0] < rows:
+            held[name] = torch.empty((rows, unit_w_u.shape[1]), dtype=dtype, device=unit_w_u.device)
+        return held[name][:rows]
+
     for start in range(0, n, block):
         v = values[start:start + block].float()  # [b, d_model]
+        b = v.shape[0]
         norms = v.norm(dim=1, keepdim=True)
-        cos = ((v / norms.clamp_min(1e-30)) @ unit_w_u).double()  # [b, vocab]
+        cos = buffer("cos", b, torch.float64).copy_(
+            torch.matmul(v / norms.clamp_min(1e-30), unit_w_u, out=buffer("scores", b, torch.float32)))  # [b, vocab]
         mean = cos.mean(dim=1, keepdim=True)
         centred = cos.sub_(mean)
-        sq = centred * centred
+        sq = torch.mul(centred, centred, out=buffer("sq", b, torch.float64))
         m2 = sq.mean(dim=1)
-        m3 = (sq * centred).mean(dim=1)
+        m3 = torch.mul(sq, centred, out=buffer("cube", b, torch.float64)).mean(dim=1)
         m4 = sq.square_().mean(dim=1)
         zero = (norms[:, 0] == 0) | (m2 == 0)
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=m2.device)
