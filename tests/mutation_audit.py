@@ -33,6 +33,9 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("projection rescoring sums d_model in another order", "kvmem/scanning/projection_screen.py",
+             "total = part.double().mul_(a64[:, None, :]).cumsum(2)[:, :, -1]",
+             "total = part.double().mul_(a64[:, None, :]).sum(2)", ("tests/test_projection_screen.py",), None),
     Mutation("next-token rank counts a threshold equal to the score as below it", "kvmem/experiments/ranks.py",
              "left_s += (active & (value < s)).long()", "left_s += (active & (value <= s)).long()",
              ("tests/test_experiments.py",), "pair_ranks"),
