@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from kvmem.buffers import Buffers
 from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
 from kvmem.experiments.argument_checks import check_positive, check_seed, conventions_for
@@ -112,37 +113,24 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     order = np.argsort(slots, kind="stable")
     sorted_slots = slots[order]
     basis = basis.float()
-    work: dict = {}  # the blocks' buffers, reused (each of a block's size: fresh ones cost page faults)
+    work = Buffers()  # the blocks' scratch tensors, reused
     with torch.inference_mode():
         for start in np.unique(sorted_slots // block) * block:
             lo, hi = np.searchsorted(sorted_slots, [start, start + block])
             rows = vectors[start:start + block].float()
-            scores = torch.matmul(rows, basis, out=_buffer(work, "scores", (rows.shape[0], basis.shape[1]),
-                                                           torch.float32)).numpy()  # [block, vocab]
+            scores = torch.matmul(rows, basis, out=work.get("scores", (rows.shape[0], basis.shape[1]),
+                                                            torch.float32)).numpy()  # [block, vocab]
             members = order[lo:hi]
             out[members] = _count_beyond(scores, slots[members] - start, tokens[members], signs[members],
                                          work=work) + 1
     return out
 
 
-def _buffer(work: dict | None, name: str, shape: tuple, dtype):
-    """A tensor of ``shape`` from ``work`` (kept there for the next call), or a new one without ``work``."""
-    import torch
-
-    size = int(np.prod(shape))
-    held = None if work is None else work.get((name, dtype))
-    if held is None or held.numel() < size:
-        held = torch.empty(size, dtype=dtype)
-        if work is not None:
-            work[(name, dtype)] = held
-    return held[:size].view(shape)
-
-
 _BINS = 4096  # uniform bins between a row's least and greatest needed score (see _count_beyond)
 
 
 def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, signs: np.ndarray, *,
-                  work: dict | None = None) -> np.ndarray:
+                  work: Buffers | None = None) -> np.ndarray:
     """Per pair p: how many of the scores [rows[p], :] lie strictly above its token's score
     t = scores[rows[p], tokens[p]] (signs[p] = +1) or strictly below it (-1, the rank under -v).
 
@@ -154,9 +142,11 @@ def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, sign
     threshold both equal the number of thresholds in lower bins (a lower bin is a smaller value), so
     those scores are counted per bin; only the scores sharing a bin with thresholds are compared with
     them one by one. Float comparisons throughout (-0.0 equals 0.0); NaN scores never count, and a NaN
-    token score has no score beyond it, as with ``np.count_nonzero(line > score)``. ``work``: buffers kept
-    between calls (:func:`_buffer`)."""
+    token score has no score beyond it, as with ``np.count_nonzero(line > score)``. ``work``: scratch tensors
+    kept between calls."""
     import torch
+
+    work = work if work is not None else Buffers()
 
     used, at = np.unique(rows, return_inverse=True)
     needed = scores[rows, tokens]
@@ -178,9 +168,8 @@ def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, sign
     real[at, place] = True
     with np.errstate(all="ignore"):
         finite = np.where(real & np.isfinite(thresholds), thresholds, np.nan)
-        any_finite = np.isfinite(finite).any(axis=1)
-        low = np.where(any_finite, np.nanmin(np.where(any_finite[:, None], finite, 0), axis=1), 0).astype(np.float32)
-        high = np.where(any_finite, np.nanmax(np.where(any_finite[:, None], finite, 0), axis=1), 0).astype(np.float32)
+        finite[~np.isfinite(finite).any(axis=1)] = 0.0  # a row without finite thresholds: bins around 0
+        low, high = np.nanmin(finite, axis=1).astype(np.float32), np.nanmax(finite, axis=1).astype(np.float32)
         span = high.astype(np.float64) - low
         scale = np.where(span > 0, np.minimum((_BINS - 1) / np.where(span > 0, span, 1.0), 1e30), 1.0)
     low_t, scale_t = torch.from_numpy(low)[:, None], torch.from_numpy(scale.astype(np.float32))[:, None]
@@ -189,9 +178,9 @@ def _count_beyond(scores: np.ndarray, rows: np.ndarray, tokens: np.ndarray, sign
     def bin_of(values: torch.Tensor, name: str) -> torch.Tensor:
         """Monotone in the value (a lower bin holds smaller values): floor((s - low) * scale) + 1 in 0..bins-1
         (clamped first, so truncation is the floor), int32. ``values`` hold no NaN."""
-        x = torch.sub(values, low_t, out=_buffer(work, name, values.shape, torch.float32))
+        x = torch.sub(values, low_t, out=work.get(name, values.shape, torch.float32))
         x.mul_(scale_t).add_(1).clamp_(0, bins - 1)
-        return _buffer(work, name, values.shape, torch.int32).copy_(x)
+        return work.get(name, values.shape, torch.int32).copy_(x)
 
     with torch.inference_mode():
         line = torch.from_numpy(scores)  # [U, V]: the rows with pairs

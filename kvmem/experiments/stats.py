@@ -237,7 +237,7 @@ def sign_test(x: Sequence[float], y: Sequence[float] | None = None) -> dict[str,
     n, positive = len(d), int((d > 0).sum())
     if n == 0:
         return {"n": 0, "positive": 0, "p_value": float("nan")}
-    tail = term = 1  # Σ_{k <= min(k, n-k)} C(n, k), each term from the last: C(n, k+1) = C(n, k) (n - k) / (k + 1)
+    tail = term = 1  # Σ_{j <= min(k, n-k)} C(n, j), each term from the last: C(n, j+1) = C(n, j) (n - j) / (j + 1)
     for k in range(min(positive, n - positive)):
         term = term * (n - k) // (k + 1)
         tail += term

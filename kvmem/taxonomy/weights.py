@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from kvmem.buffers import Buffers
 from kvmem.conventions import value_vectors as convention_values
 from kvmem.errors import KvmemError
 from kvmem.taxonomy.thresholds import Thresholds
@@ -72,12 +73,11 @@ def vocab_moments(values: Tensor, unit_w_u: Tensor, *, block: int = 128) -> dict
     n = values.shape[0]
     out = {name: np.empty(n) for name in ("mean", "std", "skew", "kurtosis")}
     unit_w_u = unit_w_u.float()
-    held: dict[str, Tensor] = {}  # the blocks' [b, vocab] buffers, reused (fresh ones of this size cost page faults)
+    buffers = Buffers()  # the blocks' [b, vocab] scratch tensors, reused
+    vocab, device = unit_w_u.shape[1], unit_w_u.device
 
     def buffer(name: str, rows: int, dtype) -> Tensor:
-        if name not in held or held[name].shape[0] < rows:
-            held[name] = torch.empty((rows, unit_w_u.shape[1]), dtype=dtype, device=unit_w_u.device)
-        return held[name][:rows]
+        return buffers.get(name, (rows, vocab), dtype, device)
 
     for start in range(0, n, block):
         v = values[start:start + block].float()  # [b, d_model]
