@@ -242,6 +242,40 @@ def test_detector_and_self_suppression_equal_brute_force_over_the_tables(llama_m
     assert (merged.self_suppression_rank == merged.neuron % 30).all()
 
 
+def test_a_lazy_atlas_projects_only_the_one_conventions_values_layer_by_layer(llama_model, tmp_path, monkeypatch):
+    """Self-suppression on an atlas without projection tables, from an empty per-model cache: each layer's values
+    under the one convention are computed and kept (no whole tables of every convention, no keys), and the
+    suppressed tokens and ranks equal numpy's bottom top_n of the final_norm scores."""
+    from projection_oracle import top_bottom
+
+    from kvmem.taxonomy.exact_columns import suppressed_values
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVMEM_CACHE", str(cache))
+    atlas = kvmem.scan(llama_model, SHORT_DOCS, out=tmp_path / "atlas", window=16, top_k=6, top_n=30, progress=False,
+                       context_activations=False)
+    assert not atlas.holds("values") and not (cache / "projections").exists()
+    frame, _ = build_taxonomy(llama_model, atlas=atlas, convention="final_norm")
+    kept = sorted(path.name for path in (cache / "projections" / "layers").iterdir())
+    assert len(kept) == len(atlas.layers) and all(name.endswith("-values-final_norm") for name in kept)
+    assert [path.name for path in (cache / "projections").iterdir()] == ["layers"]
+    suppressed = suppressed_values(atlas, "final_norm")
+    triggers = atlas.table("triggers")
+    firsts = triggers[(triggers.kind == "top") & (triggers["rank"] == 0)].set_index(["layer", "neuron"]).token_id
+    gain = llama_model.hf_model.model.norm.weight.detach().numpy()  # RMSNorm: final_norm is v * gain
+    for layer in atlas.layers:
+        parts = _hf_parts(llama_model.hf_model, layer)
+        vectors = parts["values"].astype(np.float32) * gain  # one float32 product, as the convention rounds it
+        bottom = top_bottom(vectors, parts["w_u"].astype(np.float32), 30)["bottom_ids"]
+        here = suppressed[suppressed.layer == layer].sort_values(["neuron", "rank"])
+        np.testing.assert_array_equal(here.token_id.to_numpy().reshape(atlas.d_ff, 30), bottom)
+        got = frame[frame.layer == layer].set_index("neuron").self_suppression_rank
+        for neuron in range(atlas.d_ff):
+            ids = bottom[neuron].tolist()
+            first = int(firsts[(layer, neuron)])
+            assert got[neuron] == (ids.index(first) if first in ids else NOT_KEPT)
+
+
 def test_unknown_convention_and_thresholds_off_the_bin_edges_are_refused(llama_model, llama_atlas):
     with pytest.raises(KvmemError, match="not in this atlas's values table"):
         build_taxonomy(llama_model, atlas=llama_atlas, convention="nope")

@@ -5,7 +5,10 @@
   unions of whole bins and their counts are exact integers. Bins b >= 30 are [edges[b], edges[b+1]),
   bins b < 30 are (edges[b], edges[b+1]].
 - Token detector: a sum over the neuron's kept top triggers (all top_k of them are in triggers.parquet).
-- Self-suppression: a lookup in values.parquet (the value's top_n suppressed tokens under one convention).
+- Self-suppression: a lookup in the value's top_n suppressed tokens under one convention: the atlas's
+  values table, or, for a lazily scanned atlas, that convention's rows of each layer
+  (:meth:`kvmem.atlas.Atlas.projection_rows`: kept rows of the per-model cache, or computed for the one
+  convention and kept), never the whole tables of every convention and the keys.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from kvmem.scanning.bins import HIST_BINS, bin_edges
 from kvmem.taxonomy.thresholds import Thresholds
 
 __all__ = ["NOT_KEPT", "activation_frequencies", "count_at_least", "count_at_most", "evidence_columns",
-           "self_suppression", "token_detector"]
+           "self_suppression", "suppressed_values", "token_detector"]
 
 NOT_KEPT = -1  # self_suppression_rank when the token is not among the kept suppressed tokens
 _EDGES = np.asarray(bin_edges())  # [HIST_BINS + 1]
@@ -110,11 +113,33 @@ def self_suppression(triggers: pd.DataFrame, values: pd.DataFrame, convention: s
     return out.reset_index(drop=True)
 
 
-def evidence_columns(atlas, thresholds: Thresholds, *, convention: str) -> pd.DataFrame:
-    """All atlas-derived columns, one row per (layer, neuron) of ``atlas.neurons``."""
+def suppressed_values(atlas, convention: str, *, model=None) -> pd.DataFrame:
+    """The values rows self-suppression reads: every neuron's kept ``suppress`` tokens under ``convention``
+    (layer, neuron, convention, kind, rank, token_id). From the atlas's values table when it holds one; else
+    layer by layer from :meth:`~kvmem.atlas.Atlas.projection_rows` for this convention alone (``model``: the
+    scanned model, or None to load it from the manifest)."""
+    if convention not in atlas.conventions:
+        raise KvmemError(f"convention {convention!r} is not in this atlas's values table; it has "
+                         f"{', '.join(sorted(atlas.conventions))}")
+    columns = ["layer", "neuron", "convention", "kind", "rank", "token_id"]
+    if atlas.holds("values"):
+        values = atlas.table("values", columns)
+        keep = (values.convention.to_numpy() == convention) & (values.kind.to_numpy() == "suppress")
+        return values[keep].reset_index(drop=True)
+    parts = []
+    for layer in atlas.layers:
+        rows = atlas.projection_rows("values", layer, range(atlas.d_ff), model=model, labels=[convention])
+        frame = rows.select(columns).to_pandas()
+        parts.append(frame[frame.kind.to_numpy() == "suppress"])
+    return pd.concat(parts, ignore_index=True)
+
+
+def evidence_columns(atlas, thresholds: Thresholds, *, convention: str, model=None) -> pd.DataFrame:
+    """All atlas-derived columns, one row per (layer, neuron) of ``atlas.neurons``. ``model``: the scanned
+    model, if at hand (a lazily scanned atlas computes its suppressed tokens with it)."""
     frequencies = activation_frequencies(atlas.neurons, atlas.table("histograms"), thresholds)
     triggers = atlas.table("triggers", ["layer", "neuron", "kind", "rank", "activation", "token_id", "token"])
-    values = atlas.table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id"])
+    values = suppressed_values(atlas, convention, model=model)
     out = (frequencies.merge(token_detector(triggers), on=["layer", "neuron"], how="left")
            .merge(self_suppression(triggers, values, convention), on=["layer", "neuron"], how="left"))
     for column in ("detector_token_id", "top_trigger_token_id", "self_suppression_rank"):

@@ -163,7 +163,8 @@ def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, c
     if atlas is not None:
         convention = convention or atlas.default_convention
         t0 = time.perf_counter()
-        evidence = evidence_columns(atlas, thresholds, convention=convention)
+        scanned = model if model.fingerprint == atlas.manifest.model.get("fingerprint") else None
+        evidence = evidence_columns(atlas, thresholds, convention=convention, model=scanned)
         timing["atlas"] = time.perf_counter() - t0
         frame = frame.merge(evidence, on=["layer", "neuron"], how="left", validate="one_to_one")
         manifest = atlas.manifest
