@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import namedtuple
+import os
+from collections import deque, namedtuple
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -267,32 +269,34 @@ def _score_sides(atlas, rows, scored, borrowed, modules, part, *, contexts, work
         _mark(scored, list(part), name, min_quiet=min_quiet)
 
 
+def _score_workers() -> int:
+    """Threads that score layers at once: the CPUs this process may run on (numpy releases the GIL in the
+    replicate and permutation arrays, which are most of the work), at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
 def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.ndarray, modules, *, contexts,
                   judge_label: str, seed: int, per_band: int, max_quiet: int | None, n_boot: int,
                   min_quiet: int, storer: store.Storer) -> None:
     """The tokens judge's scores of ``rows`` into ``scored``, a layer at a time on arrays
-    (:func:`kvmem.autointerp.array_scores.score_layer`; equal to :func:`_score_sides`), stored as they go."""
+    (:func:`kvmem.autointerp.array_scores.score_layer`; equal to :func:`_score_sides`), stored as they go.
+
+    The main thread reads each layer's examples and writes each layer's results, in layer order; the scorers of
+    the layers in flight run meanwhile in a pool of :func:`_score_workers` threads. Each (layer, scorer) is a
+    pure function of its arrays, so the results do not depend on the number of threads."""
     keys = KeyTables.build(contexts)
     parsed: dict[str, object] = {}
     rules = [parsed.get(r.rule) or parsed.setdefault(r.rule, rule_of(r)) for r in rows.itertuples(index=False)]
     neuron_col = rows.neuron.to_numpy().astype(np.int64)
-    for (layer, split_seed, fraction), index in rows.groupby(["layer", "split_seed", "held_out"]).indices.items():
-        index = np.sort(index)
-        sides = sorted(set(rows.side.iloc[index]), key=list(SIDES).index)
-        neurons = np.unique(neuron_col[index])
-        table = read_layer(atlas, int(layer), neurons, sides=sides, seed=int(split_seed), held_out=float(fraction),
-                           convention=atlas.default_convention, contexts=contexts,
-                           written=any(m.NAME == "output" for m in modules))
-        side_index = np.searchsorted(neurons, neuron_col[index]) * len(sides) + \
-            np.asarray([sides.index(s) for s in rows.side.iloc[index]], np.int64)
-        lender = borrowed[index]
-        based = index[lender >= 0]
-        mask = lender >= 0
-        for module in modules:
-            name = module.NAME
-            got = score_layer(table, keys, name, side_index, [rules[i] for i in index],
-                              [rules[j] if j >= 0 else None for j in lender], per_band=per_band, seed=seed,
-                              n_boot=n_boot, max_quiet=max_quiet)
+
+    def write(index: np.ndarray, lender: np.ndarray, futures) -> None:
+        based, mask = index[lender >= 0], lender >= 0
+        for module, future in zip(modules, futures):
+            name, got = module.NAME, future.result()
             for suffix, value in (("", got.score), ("_low", got.low), ("_high", got.high), ("_p", got.p)):
                 scored.loc[index, f"{name}{suffix}"] = value
             scored.loc[index, f"{name}_n"] = got.n.astype(scored[f"{name}_n"].dtype)
@@ -310,6 +314,36 @@ def _score_layers(atlas, rows: pd.DataFrame, scored: pd.DataFrame, borrowed: np.
                 scored[f"{name}_baseline_from"].dtype)
             _mark(scored, index, name, min_quiet=min_quiet)
         storer.add(scored.iloc[index])
+
+    workers = _score_workers()
+    in_flight: deque = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmem-score") as pool:
+        try:
+            for (layer, split_seed, fraction), index in rows.groupby(["layer", "split_seed", "held_out"]).indices.items():
+                index = np.sort(index)
+                sides = sorted(set(rows.side.iloc[index]), key=list(SIDES).index)
+                neurons = np.unique(neuron_col[index])
+                table = read_layer(atlas, int(layer), neurons, sides=sides, seed=int(split_seed),
+                                   held_out=float(fraction), convention=atlas.default_convention, contexts=contexts,
+                                   written=any(m.NAME == "output" for m in modules))
+                side_index = np.searchsorted(neurons, neuron_col[index]) * len(sides) + \
+                    np.asarray([sides.index(s) for s in rows.side.iloc[index]], np.int64)
+                lender = borrowed[index]
+                own_rules = [rules[i] for i in index]
+                lent_rules = [rules[j] if j >= 0 else None for j in lender]
+                futures = [pool.submit(score_layer, table, keys, module.NAME, side_index, own_rules, lent_rules,
+                                       per_band=per_band, seed=seed, n_boot=n_boot, max_quiet=max_quiet)
+                           for module in modules]
+                in_flight.append((index, lender, futures))
+                while len(in_flight) > workers:  # at most a layer per thread waits, so memory stays bounded
+                    write(*in_flight.popleft())
+            while in_flight:
+                write(*in_flight.popleft())
+        except BaseException:
+            for _, _, futures in in_flight:
+                for future in futures:
+                    future.cancel()
+            raise
 
 
 def _random_init_scores(atlas, rows: pd.DataFrame, *, scorers, judge: str, seed: int, held_out: float,
