@@ -273,6 +273,23 @@ class Atlas:
             frame = frame[frame.kind == kind]
         return frame.reset_index(drop=True)
 
+    def value_rows(self, convention: str | None = None, *, kind: str | None = None, model=None) -> pd.DataFrame:
+        """Every neuron's values rows under one convention (default: the atlas's), optionally of one ``kind``: the
+        values table's, or, where the atlas holds none, each layer's computed for this convention alone and kept in
+        the per-model cache (``model``: see :meth:`values`)."""
+        convention = convention or self.default_convention
+        if convention not in self.conventions:
+            raise KvmemError(f"convention {convention!r} is not in this atlas; it has {', '.join(self.conventions)}")
+        columns = ["layer", "neuron", "convention", "kind", "rank", "token_id", "token", "score"]
+        if self.holds("values"):
+            frame = self._tables.table("values", columns)
+            frame = frame[frame.convention.to_numpy() == convention]
+        else:
+            frame = self.projections.convention_rows(convention, columns, model).to_pandas()
+        if kind is not None:
+            frame = frame[frame.kind.to_numpy() == kind]
+        return frame.reset_index(drop=True)
+
     def keys(self, layer: int, neuron: int, *, vector: str | None = None, model=None) -> pd.DataFrame:
         """Tokens whose input embedding best matches the key (and gate key) vectors (on demand as :meth:`values`)."""
         self.check(layer, neuron)
@@ -356,11 +373,13 @@ class Atlas:
         by how many of their triggers it follows, then the highest activation.
         ``token``: a token id, or a string that must be exactly one token (kept token strings are matched).
         """
-        token_id = self.token_id(token, tokenizer=tokenizer)
         if by == "value":
             convention = convention or self.default_convention
             if convention not in self.conventions:
                 raise KvmemError(f"convention {convention!r} is not in this atlas; it has {', '.join(self.conventions)}")
+        # a trigger's next token is in the contexts: a token they do not hold needs no projection to be refused
+        token_id = self.token_id(token, tokenizer=tokenizer, convention=convention if by == "value" else None)
+        if by == "value":
             hits = self._rows_for_token("values", token_id, convention=convention)
             out = hits.sort_values(["score", "layer", "neuron"], ascending=[False, True, True]).head(k)
             return out.assign(convention=convention)[["layer", "neuron", "rank", "score", "convention"]].reset_index(drop=True)
@@ -380,9 +399,8 @@ class Atlas:
         key = f"_index:{table}:{convention}"
         if key not in self._cache:
             if table == "values":
-                frame = self._tables.table("values", ["layer", "neuron", "convention", "kind", "rank", "token_id", "score"])
-                keep = (frame.kind.to_numpy() == "promote") & (frame.convention.to_numpy() == convention)
-                frame, token = frame[keep][["layer", "neuron", "rank", "score"]], frame.token_id.to_numpy()[keep]
+                frame = self.value_rows(convention, kind="promote")
+                frame, token = frame[["layer", "neuron", "rank", "score"]], frame.token_id.to_numpy()
             else:
                 frame = self._tables.table("triggers", ["layer", "neuron", "kind", "activation", "next_token_id"])
                 frame = frame[["layer", "neuron", "kind", "activation", "next_token_id"]]
@@ -394,8 +412,9 @@ class Atlas:
         lo, hi = np.searchsorted(tokens, token_id), np.searchsorted(tokens, token_id, side="right")
         return frame.iloc[lo:hi]
 
-    def token_id(self, token: str | int, *, tokenizer=None) -> int:
-        """The id of a one-token string, from the atlas's own token strings (or a tokenizer)."""
+    def token_id(self, token: str | int, *, tokenizer=None, convention: str | None = "default") -> int:
+        """The id of a one-token string, from the atlas's own token strings (or a tokenizer): its contexts' tokens,
+        then the tokens its values list under ``convention`` (default: the atlas's; None: the contexts' alone)."""
         if isinstance(token, (int, np.integer)):
             return int(token)
         if tokenizer is not None:
@@ -404,22 +423,33 @@ class Atlas:
                 pieces = [tokenizer.decode([i]) for i in ids]
                 raise KvmemError(f"{token!r} is not one token: it tokenizes as {pieces}; query one of those")
             return ids[0]
-        vocab = self._vocabulary()
-        if token in vocab:
-            return vocab[token]
+        if token in (seen := self._vocabulary()):
+            return seen[token]
+        if convention is not None and token in (listed := self._value_vocabulary(convention)):
+            return listed[token]
         raise KvmemError(f"{token!r} is not a token seen in this atlas; check the leading space (e.g. ' Paris'), "
                          f"or pass a tokenizer (kvmem top --model M) to see how it tokenizes")
 
     def _vocabulary(self) -> dict[str, int]:
+        """The tokens the atlas's contexts hold (every trigger's token and next token among them)."""
         if "_vocab" not in self._cache:
-            frames = [self._tables.contexts()[1].select(["token_id", "token"]).to_pandas()]
-            try:  # the vocabulary the values table names (the model's cached tables where the atlas holds none)
-                frames.insert(0, self._tables.table("values", ["token_id", "token"]))
-            except KvmemError:  # no model here: the tokens the triggers name
-                pass
-            both = pd.concat(frames).drop_duplicates("token")
-            self._cache["_vocab"] = dict(zip(both.token, both.token_id.astype(int)))
+            seen = self._tables.contexts()[1].select(["token_id", "token"]).to_pandas().drop_duplicates("token")
+            self._cache["_vocab"] = dict(zip(seen.token, seen.token_id.astype(int)))
         return self._cache["_vocab"]
+
+    def _value_vocabulary(self, convention: str) -> dict[str, int]:
+        """The tokens the values list under ``convention`` ("default": the atlas's); nothing when a lazily scanned
+        atlas's model does not load here."""
+        convention = self.default_convention if convention == "default" else convention
+        key = f"_value_vocab:{convention}"
+        if key not in self._cache:
+            try:
+                listed = self.value_rows(convention)[["token_id", "token"]].sort_values("token_id", kind="stable")
+            except KvmemError:  # no model here: the contexts' tokens alone
+                listed = pd.DataFrame({"token_id": [], "token": []})
+            listed = listed.drop_duplicates("token")
+            self._cache[key] = dict(zip(listed.token, listed.token_id.astype(int)))
+        return self._cache[key]
 
     def search(self, pattern: str, *, layer: int | None = None, kind: str = "top", limit: int = 100) -> pd.DataFrame:
         """Triggers whose context matches a regular expression."""

@@ -71,7 +71,7 @@ class OnDemandProjections:
             try:
                 self._model = load_scanned_model(self.atlas)
             except KvmemError as error:
-                raise KvmemError(f"atlas {self.atlas.path} holds no projection tables, and computing a neuron's needs "
+                raise KvmemError(f"atlas {self.atlas.path} holds no projection tables, and computing projections needs "
                                  f"the scanned model, which cannot load here ({error}); pass it (kvmem.open(PATH, "
                                  f"model=...), --model) or write the tables where it loads: kvmem project --atlas "
                                  f"{self.atlas.path}") from None
@@ -125,6 +125,13 @@ class OnDemandProjections:
             if (rows := kept_layer_rows(self.model, int(layer), config, table, labels)) is not None:
                 return rows if labels else rows.filter(pc.equal(rows.column(column), label))
         return None
+
+    def convention_rows(self, convention: str, columns: list[str], model: Model | None = None) -> pa.Table:
+        """Every layer's ``values`` rows under ``convention`` (``columns``), a layer at a time (:meth:`rows`): read from
+        the per-model cache's tables or a layer's kept rows, or computed for this one convention and kept; the keys
+        and the other conventions are not computed."""
+        return pa.concat_tables([self.rows("values", layer, range(self.atlas.d_ff), model, labels=(convention,))
+                                 .select(columns) for layer in self.atlas.layers])
 
     def rows(self, table: str, layer: int, neurons, model: Model | None = None, *, labels=None) -> pa.Table:
         """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order; ``labels``:

@@ -33,8 +33,8 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("taxonomy's lazy self-suppression reads every convention's rows", "kvmem/taxonomy/exact_columns.py",
-             "model=model, labels=[convention])", "model=model, labels=None)", ("tests/test_taxonomy.py",), "lazy"),
+    Mutation("a lazy atlas's one-convention values read every convention", "kvmem/atlas_projections.py",
+             "model, labels=(convention,))", "model, labels=None)", ("tests/test_taxonomy.py",), "lazy"),
     Mutation("projection rescoring sums d_model in another order", "kvmem/scanning/projection_screen.py",
              "total = part.double().mul_(a64[:, None, :]).cumsum(2)[:, :, -1]",
              "total = part.double().mul_(a64[:, None, :]).sum(2)", ("tests/test_projection_screen.py",), None),

@@ -122,8 +122,12 @@ def test_whole_table_queries_read_the_models_tables_or_say_how_and_project_write
     manifest = json.loads((orphan / "manifest.json").read_text())
     manifest["model"]["name"] = str(tmp_path / "no-such-model")
     (orphan / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(kvmem.KvmemError, match=rf"holds no values table .*kvmem project --atlas {orphan}") as error:
+    with pytest.raises(kvmem.KvmemError, match=rf"holds no projection tables.*cannot load here.*kvmem project --atlas "
+                                               rf"{orphan}") as error:
         kvmem.open(orphan).top_neurons(token=token, by="value")
+    assert "\n" not in str(error.value)
+    with pytest.raises(kvmem.KvmemError, match=rf"holds no keys table .*kvmem project --atlas {orphan}") as error:
+        kvmem.open(orphan).table("keys")
     assert "\n" not in str(error.value)
 
     assert main(["project", "--atlas", str(copy), "--quiet"]) == 0
@@ -134,6 +138,29 @@ def test_whole_table_queries_read_the_models_tables_or_say_how_and_project_write
     assert reopened.has_projections and reopened.manifest.projection["method"] == "torch-screen"
     assert reopened.top_neurons(token=token, by="value").shape[0] >= 1
     assert main(["project", "--atlas", str(copy), "--quiet"]) == 0  # nothing to do the second time
+
+
+def test_token_queries_compute_only_what_they_read(pair, tmp_path, monkeypatch):
+    """From an empty projection cache, a lazy atlas answers ``top --by trigger`` with no projection at all, and
+    ``top --by value`` with the default convention's values a layer at a time (kept for the next command), never the
+    keys or the other convention; both answers equal the eager atlas's."""
+    model, eager, lazy = pair
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVMEM_CACHE", str(cache))
+    atlas = kvmem.open(lazy.path, model=model)
+    triggers = eager.table("triggers", ["kind", "next_token"])
+    text = triggers[triggers.kind == "top"].next_token.value_counts().index[0]  # a token many top triggers precede
+    pd.testing.assert_frame_equal(atlas.top_neurons(token=text, by="trigger"), eager.top_neurons(token=text, by="trigger"))
+    with pytest.raises(kvmem.KvmemError, match="is not a token seen in this atlas"):
+        atlas.top_neurons(token="no such token", by="trigger")
+    assert not (cache / "projections").exists()
+    promoted = eager.values(1, 7)
+    promoted = promoted[(promoted.kind == "promote") & (promoted.convention == eager.default_convention)].token.iloc[0]
+    for token in (text, promoted):
+        pd.testing.assert_frame_equal(atlas.top_neurons(token=token, by="value"), eager.top_neurons(token=token, by="value"))
+    kept = sorted(path.name for path in (cache / "projections" / "layers").iterdir())
+    assert len(kept) == len(atlas.layers) and all(name.endswith(f"-values-{atlas.default_convention}") for name in kept)
+    assert [path.name for path in (cache / "projections").iterdir()] == ["layers"]
 
 
 def test_another_models_weights_are_refused(pair, gpt2_model, llama_model):

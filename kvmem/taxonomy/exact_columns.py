@@ -115,23 +115,13 @@ def self_suppression(triggers: pd.DataFrame, values: pd.DataFrame, convention: s
 
 def suppressed_values(atlas, convention: str, *, model=None) -> pd.DataFrame:
     """The values rows self-suppression reads: every neuron's kept ``suppress`` tokens under ``convention``
-    (layer, neuron, convention, kind, rank, token_id). From the atlas's values table when it holds one; else
-    layer by layer from :meth:`~kvmem.atlas.Atlas.projection_rows` for this convention alone (``model``: the
-    scanned model, or None to load it from the manifest)."""
+    (:meth:`kvmem.atlas.Atlas.value_rows`: the values table's, or each layer's computed for this convention alone
+    and kept; ``model``: the scanned model, or None to load it from the manifest)."""
     if convention not in atlas.conventions:
         raise KvmemError(f"convention {convention!r} is not in this atlas's values table; it has "
                          f"{', '.join(sorted(atlas.conventions))}")
-    columns = ["layer", "neuron", "convention", "kind", "rank", "token_id"]
-    if atlas.holds("values"):
-        values = atlas.table("values", columns)
-        keep = (values.convention.to_numpy() == convention) & (values.kind.to_numpy() == "suppress")
-        return values[keep].reset_index(drop=True)
-    parts = []
-    for layer in atlas.layers:
-        rows = atlas.projection_rows("values", layer, range(atlas.d_ff), model=model, labels=[convention])
-        frame = rows.select(columns).to_pandas()
-        parts.append(frame[frame.kind.to_numpy() == "suppress"])
-    return pd.concat(parts, ignore_index=True)
+    return atlas.value_rows(convention, kind="suppress", model=model)[
+        ["layer", "neuron", "convention", "kind", "rank", "token_id"]]
 
 
 def evidence_columns(atlas, thresholds: Thresholds, *, convention: str, model=None) -> pd.DataFrame:
