@@ -10,7 +10,9 @@ model's tables from the per-model projection cache, computed once with the scann
 (:meth:`OnDemandProjections.cached_file`); where the model cannot load it says in one line how to write them.
 Rows on demand are read from those tables when some command wrote them, and a whole layer's rows computed
 on demand are kept in the same cache for the next command
-(:func:`~kvmem.scanning.projection.cached_layer_rows`). torch is imported only when a projection
+(:func:`~kvmem.projection_cache.layer_rows`). The cache's keys of an atlas's entries are remembered, so rows
+that are kept answer without loading the model (:mod:`kvmem.projection_cache`). torch is imported only when a
+projection
 is computed.
 """
 
@@ -26,7 +28,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvmem.atlas_origin import check_model, load_scanned_model
+from kvmem.devices import resolve_device
 from kvmem.errors import KvmemError
+from kvmem.projection_cache import complete_entry, describe, kept_layer_rows, layer_rows, remember_key, remembered_key
 
 if TYPE_CHECKING:
     from kvmem.models import Model
@@ -55,6 +59,8 @@ class OnDemandProjections:
         self._files: dict | None = None
         self._entry: dict | None = None
         self._recent: OrderedDict[tuple, pa.Table] = OrderedDict()  # (table, layer, neurons) -> rows
+        self._keys: dict[tuple, str | None] = {}  # layers -> the per-model cache's key
+        self._passed = False  # a model from the caller: keyed by its own weights, never remembered
         if model is not None:
             self.use_model(model)
 
@@ -64,6 +70,8 @@ class OnDemandProjections:
         if model is not self._model:
             self._model, self._projector, self._entry = model, None, None
             self._recent.clear()
+            self._keys.clear()
+        self._passed = True
 
     @property
     def model(self) -> Model:
@@ -82,13 +90,33 @@ class OnDemandProjections:
         """Whether the scanned model is at hand (passed in, or loaded for an earlier projection)."""
         return self._model is not None
 
+    def _key(self, layers: list[int]) -> str | None:
+        """The per-model cache's key for ``layers`` (the atlas's, or one): remembered for the model the manifest names
+        when no model is at hand (:mod:`kvmem.projection_cache`), else computed from the model, and remembered when
+        that model was loaded from the manifest."""
+        scope = tuple(layers)
+        if scope not in self._keys:
+            config = self.atlas.manifest.config
+            description = None
+            if not self._passed:
+                # a model loaded from the manifest goes where load_scanned_model puts it
+                device = str(self._model.device) if self._model is not None else resolve_device(None)
+                description = describe(self.atlas.manifest.model, config, list(layers), device)
+                if self._model is None and (key := remembered_key(description)) is not None:
+                    self._keys[scope] = key
+                    return key
+            from kvmem.scanning.projection import projection_cache_key
+
+            key = projection_cache_key(self.model, list(layers), config)
+            if description is not None:
+                remember_key(description, key)
+            self._keys[scope] = key
+        return self._keys[scope]
+
     def _cached_entry(self) -> dict | None:
         """The per-model cache's whole tables for this atlas, if some command wrote them (looked up once)."""
         if self._entry is None:
-            from kvmem.scanning.projection import cached_projection_entry
-
-            found = cached_projection_entry(self.model, self.atlas.layers, self.atlas.manifest.config)
-            self._entry = {"found": found}
+            self._entry = {"found": complete_entry(self._key(self.atlas.layers), len(self.atlas.layers))}
         return self._entry["found"]
 
     def cached_file(self, table: str) -> Path:
@@ -96,6 +124,10 @@ class OnDemandProjections:
         per-model projection cache, computed with the scanned model on first use."""
         if self._files is None:
             try:
+                found = self._cached_entry()  # written by an earlier command: no model needed where its key is known
+                if found is not None:
+                    self._files = {name: Path(path) for name, path in found["files"].items()}
+                    return self._files[table]
                 model = self.model
             except KvmemError as error:
                 raise KvmemError(missing_table_message(self.atlas.path, table, f"; the scanned model is needed to "
@@ -104,14 +136,13 @@ class OnDemandProjections:
 
             self._files = {name: Path(path) for name, path in
                            cached_projection_files(model, self.atlas.layers, self.atlas.manifest.config)["files"].items()}
+            self._entry = None  # the tables are there now: rows on demand read them
         return self._files[table]
 
     def kept(self, table: str, layer: int, label: str) -> pa.Table | None:
         """A whole layer's rows of ``table`` for one ``label`` (convention or vector) if they are at hand without
         computing: answered before, in the per-model cache's whole tables, or kept there for the layer (by an
         explain, a score, an earlier analysis); else None."""
-        from kvmem.scanning.projection import kept_layer_rows
-
         neurons = tuple(range(self.atlas.d_ff))
         column = "convention" if table == "values" else "vector"
         for labels in ((label,), None):
@@ -120,9 +151,8 @@ class OnDemandProjections:
         if (cached := self._cached_entry()) is not None:
             rows = _read_rows(cached["files"][table], int(layer), neurons)
             return rows.filter(pc.equal(rows.column(column), label))
-        config = self.atlas.manifest.config
         for labels in ((label,), None):
-            if (rows := kept_layer_rows(self.model, int(layer), config, table, labels)) is not None:
+            if (rows := kept_layer_rows(self._key([int(layer)]), table, labels)) is not None:
                 return rows if labels else rows.filter(pc.equal(rows.column(column), label))
         return None
 
@@ -137,8 +167,6 @@ class OnDemandProjections:
         """The rows of ``table`` (values | keys) of ``neurons`` of ``layer``, in the table's order; ``labels``:
         only these conventions (values) or vectors (keys) are computed (None: all). The last few answers are
         kept (an analysis reads a layer's values more than once)."""
-        from kvmem.scanning.projection import NeuronProjector, cached_layer_rows
-
         if model is not None:
             self.use_model(model)
         key = (table, int(layer), tuple(sorted({int(n) for n in neurons})),
@@ -153,13 +181,14 @@ class OnDemandProjections:
                 self._recent[key] = rows
             else:
                 def compute():
+                    from kvmem.scanning.projection import NeuronProjector
+
                     if self._projector is None:
                         self._projector = NeuronProjector(self.model, self.atlas.manifest.config)
                     return getattr(self._projector.tables(layer, key[2], only=table, labels=key[3]), table)
 
                 if len(key[2]) == self.atlas.d_ff:  # a whole layer (explain, score): kept in the per-model cache
-                    self._recent[key] = cached_layer_rows(self.model, int(layer), self.atlas.manifest.config, table,
-                                                          key[3], compute)
+                    self._recent[key] = layer_rows(self._key([int(layer)]), table, key[3], compute)
                 else:
                     self._recent[key] = compute()
             while len(self._recent) > _RECENT:

@@ -34,23 +34,21 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from torch import Tensor
 
 from kvmem.atomic import staged_directory, waited_lock
-from kvmem.builtin import cache_dir
 from kvmem.conventions import value_vectors
 from kvmem.models import Model
+from kvmem.projection_cache import RECORD, TABLES, complete_entry, entry_dir
 from kvmem.scanning.parquet import write_parquet
 from kvmem.scanning.projection_screen import METHOD, Basis, Projection, ProjectionStats, prepare_basis, project_rows
 
 __all__ = ["Projection", "ProjectionStats", "ProjectionTables", "NeuronProjector", "project_rows", "key_vectors",
            "projected_vectors", "projection_digest", "projection_tables", "cached_projection_files",
-           "cached_projection_entry", "cached_layer_rows"]
+           "projection_cache_key"]
 
 _CACHE_VERSION = 4  # 2: keyed by the projected float32 content, not the dtype; 3: exact scores, ties by token id;
 # 4: the content digest samples the vectors before the conventions are applied (same tables as 3)
-_RECORD = "projection.json"  # beside the cached tables: the method that computed them, and its counts
 _DIGEST_STRIDE = 16  # rows (of vectors) / columns (of bases) read into the content digest: 1 in 16
 
 
@@ -242,8 +240,9 @@ def _table(parts: list[dict], label_name: str, vocab: pa.Array) -> pa.Table:
     return pa.table([merged[name] for name in schema.names], schema=schema)
 
 
-def _cache_key(model: Model, layers: list[int], config) -> str | None:
-    """None when the weights have no reliable fingerprint (then nothing is cached)."""
+def projection_cache_key(model: Model, layers: list[int], config) -> str | None:
+    """The per-model cache's key of ``model``'s tables for ``layers`` and ``config`` (:mod:`kvmem.projection_cache`);
+    None when the weights have no reliable fingerprint (then nothing is cached)."""
     if not model.fingerprint or model.fingerprint.endswith(("unknown", "None")):
         return None
     from kvmem.schema import arrow_schema
@@ -263,18 +262,18 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
     into an atlas, read from the per-model cache or computed (and cached) now; ``method``: the
     projection method that computed them (recorded beside the cached tables). Processes that need the
     same entry at once compute it once: the others wait on its lock, then read it."""
-    key = _cache_key(model, layers, config)
+    key = projection_cache_key(model, layers, config)
     if key is None:
         return _computed(model, layers, config, bar=bar)
-    directory = cache_dir() / "projections" / key
-    if (found := _cached(directory, len(layers), bar)) is not None:
+    directory = entry_dir(key)
+    if (found := complete_entry(key, len(layers), bar)) is not None:
         return found
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(waited_lock(directory.parent / f".{key}.lock"))
         except OSError:  # a read-only cache: compute every time
             return _computed(model, layers, config, bar=bar)
-        if (found := _cached(directory, len(layers), bar)) is not None:  # computed while we waited
+        if (found := complete_entry(key, len(layers), bar)) is not None:  # computed while we waited
             return found
         tables = projection_tables(model, layers, config, bar=bar)
         try:
@@ -282,68 +281,7 @@ def cached_projection_files(model: Model, layers: list[int], config, *, bar=None
                 _write(tmp, tables)
         except OSError:  # the cache cannot be written: the files go to a temporary directory
             return _computed(model, layers, config, tables=tables)
-        return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False, "method": METHOD}
-
-
-_TABLES = ("values", "keys")
-
-
-def cached_projection_entry(model: Model, layers: list[int], config) -> dict | None:
-    """The per-model cache's files for these layers and settings if some earlier command wrote them (an eager
-    scan, ``kvmem project``, a whole-table query), else None: nothing is computed."""
-    key = _cache_key(model, layers, config)
-    if key is None:
-        return None
-    return _cached(cache_dir() / "projections" / key, len(layers), None)
-
-
-def kept_layer_rows(model: Model, layer: int, config, table: str, labels: tuple | None) -> pa.Table | None:
-    """A whole layer's rows of ``table`` (of ``labels``; None: all) if some earlier command kept them in the per-model
-    cache (:func:`cached_layer_rows`), else None: nothing is computed."""
-    key = _cache_key(model, [layer], config)
-    if key is None:
-        return None
-    path = cache_dir() / "projections" / "layers" / f"{key}-{table}-{'+'.join(labels) if labels else 'all'}" / f"{table}.parquet"
-    try:
-        return pq.read_table(path) if path.exists() else None
-    except (OSError, pa.ArrowException):  # damaged: as if absent
-        return None
-
-
-def cached_layer_rows(model: Model, layer: int, config, table: str, labels: tuple | None, compute) -> pa.Table:
-    """A whole layer's rows of ``table`` (of ``labels``; None: all) from the per-model cache, or ``compute()``d and
-    cached now (so the next command that reads the layer, an explain then a score, does not compute it again).
-    Each entry is a directory renamed into place whole; an unreadable entry is computed again."""
-    key = _cache_key(model, [layer], config)
-    if key is None:
-        return compute()
-    directory = cache_dir() / "projections" / "layers" / f"{key}-{table}-{'+'.join(labels) if labels else 'all'}"
-    path = directory / f"{table}.parquet"
-    if path.exists():
-        try:
-            return pq.read_table(path)
-        except (OSError, pa.ArrowException):  # damaged (a full disk): computed again below
-            pass
-    rows = compute()
-    try:
-        with staged_directory(directory) as tmp:
-            write_parquet(tmp / f"{table}.parquet", rows)
-    except OSError:  # a read-only or full cache: the rows are still returned
-        pass
-    return rows
-
-
-def _cached(directory: Path, layers: int, bar) -> dict | None:
-    """The cache entry in ``directory`` if it is complete, else None."""
-    if not all((directory / f"{name}.parquet").exists() for name in _TABLES):
-        return None
-    if bar is not None:
-        bar.update(layers)
-    try:
-        recorded = json.loads((directory / _RECORD).read_text())["method"]
-    except (OSError, ValueError, KeyError):
-        recorded = "unknown"
-    return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": True, "method": recorded}
+        return {"files": {name: directory / f"{name}.parquet" for name in TABLES}, "cached": False, "method": METHOD}
 
 
 def _computed(model: Model, layers: list[int], config, *, bar=None, tables=None) -> dict:
@@ -352,12 +290,12 @@ def _computed(model: Model, layers: list[int], config, *, bar=None, tables=None)
         tables = projection_tables(model, layers, config, bar=bar)
     directory = Path(tempfile.mkdtemp(prefix="kvmem-projections-"))
     _write(directory, tables)
-    return {"files": {name: directory / f"{name}.parquet" for name in _TABLES}, "cached": False,
+    return {"files": {name: directory / f"{name}.parquet" for name in TABLES}, "cached": False,
             "method": tables.stats.method}
 
 
 def _write(directory: Path, tables: ProjectionTables) -> None:
-    for name in _TABLES:
+    for name in TABLES:
         write_parquet(directory / f"{name}.parquet", getattr(tables, name))
     record = {**tables.stats.to_dict(), "seconds": round(tables.seconds, 2)}
-    (directory / _RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
+    (directory / RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
