@@ -9,6 +9,8 @@ per band, bootstrap replicates, judge and its prompts) is stored in the row besi
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 
 import pandas as pd
@@ -69,24 +71,38 @@ def explain(atlas, *, layers=None, neurons=None, all: bool = False, explainer: s
         chunks = [todo[b:b + chunk] for b in range(0, len(todo), chunk)]
     names = [f.name for f in fields(Explanation)]
     storer = store.Storer(atlas.path, every=store_every)
-    for part in chunks:
-        written = []
-        for layer in sorted({layer for layer, _ in part}):
-            wanted = [n for l_, n in part if l_ == layer]
-            if layer_wise is not None:
-                table = read_layer(atlas, layer, wanted, sides=neuron_sides(atlas, sides), seed=seed,
-                                   held_out=held_out, convention=atlas.default_convention, contexts=contexts)
-                written.extend(layer_wise(table, keys))
-            else:
-                found = layer_evidence(atlas, layer, wanted, sides=sides, seed=seed, held_out=held_out,
-                                       contexts=contexts)
-                written.extend(side for n in sorted(found) for side in found[n])
-        if layer_wise is None:
-            written = worker.explain(written)  # one call: an LLM backend batches all sides of the chunk
+
+    def store_chunk(part, written) -> None:
         rows = [{**{n: getattr(e, n) for n in names}, "explain_codes": list(e.explain_codes), "split_seed": seed,
                  "held_out": held_out, "split_window": split_window(atlas)} for e in written]  # not asdict: it would deep-copy every code tuple
         storer.add(pd.DataFrame(rows))
         bar.update(len(part))
+
+    if layer_wise is not None:
+        # a chunk is part of one layer: its explanation (numpy on the layer's arrays) runs in a thread while the
+        # main thread reads the next chunk's layer; chunks are stored in order
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-explain") as pool:
+            in_flight: deque = deque()
+            for part in chunks:
+                (layer,) = {layer for layer, _ in part}
+                table = read_layer(atlas, layer, [n for _, n in part], sides=neuron_sides(atlas, sides), seed=seed,
+                                   held_out=held_out, convention=atlas.default_convention, contexts=contexts)
+                in_flight.append((part, pool.submit(layer_wise, table, keys)))
+                while len(in_flight) > 1:
+                    part, explained = in_flight.popleft()
+                    store_chunk(part, explained.result())
+            while in_flight:
+                part, explained = in_flight.popleft()
+                store_chunk(part, explained.result())
+    else:
+        for part in chunks:
+            written = []
+            for layer in sorted({layer for layer, _ in part}):
+                wanted = [n for l_, n in part if l_ == layer]
+                found = layer_evidence(atlas, layer, wanted, sides=sides, seed=seed, held_out=held_out,
+                                       contexts=contexts)
+                written.extend(side for n in sorted(found) for side in found[n])
+            store_chunk(part, worker.explain(written))  # one call: an LLM backend batches all sides of the chunk
     storer.store()
     bar.close()
     return explanations(atlas, explainer=explainer, neurons=chosen)
