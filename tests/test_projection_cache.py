@@ -141,34 +141,30 @@ def test_a_cached_entry_is_read_without_projecting(gpt2_model, cache, monkeypatc
         cached_projection_files(gpt2_model, layers[:1], CONFIG)
 
 
-def test_kept_rows_answer_without_the_model_once_their_key_is_remembered(gpt2_model, cache, tmp_path, monkeypatch):
+def test_kept_rows_answer_without_the_model_once_their_key_is_remembered(gpt2_dir, cache, tmp_path):
     """A whole layer computed with the model the manifest names is kept, and its cache key remembered under what the
-    manifest says of that model: a later reader gets the same rows with no model loaded. A key is not known
-    without a model until then, and a model passed in by the caller is keyed by its own weights and never
-    remembered (it may be edited in memory)."""
-    from kvmem import atlas_projections
-
-    atlas = kvmem.scan(gpt2_model, ["one small document.", "and another one"], out=tmp_path / "a", top_k=2,
-                       window=8, top_n=3, progress=False)
+    manifest says of that model: once the model's directory is gone, a later reader gets the same rows. Until a
+    key is remembered, nothing answers without the model, and a model passed in by the caller is keyed by its own
+    weights and never remembered (it may be edited in memory)."""
+    weights = tmp_path / "model"
+    shutil.copytree(gpt2_dir, weights)
+    model = kvmem.load_model(weights, device="cpu")
+    atlas = kvmem.scan(model, ["one small document.", "and another one"], out=tmp_path / "a", top_k=2, window=8,
+                       top_n=3, progress=False)
     remembered = cache / "projections" / "remembered"
-    convention = atlas.default_convention
-    passed = kvmem.open(atlas.path, model=gpt2_model)
-    want = passed.projection_rows("values", 1, range(atlas.d_ff), labels=[convention])
+    convention, everyone = atlas.default_convention, range(atlas.d_ff)
+    want = kvmem.open(atlas.path, model=model).projection_rows("values", 1, everyone, labels=[convention])
     assert not remembered.exists()  # the caller's model is not remembered
-
-    def refuse(*args, **kwargs):
-        raise kvmem.KvmemError("the model was loaded")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(atlas_projections, "load_scanned_model", refuse)
-        with pytest.raises(kvmem.KvmemError, match="the model was loaded"):  # no key known yet without the model
-            kvmem.open(atlas.path).projection_rows("values", 1, range(atlas.d_ff), labels=[convention])
+    weights.rename(tmp_path / "moved")  # the model cannot load: its directory is gone
+    with pytest.raises(kvmem.KvmemError, match="cannot load here"):  # no key is known yet without the model
+        kvmem.open(atlas.path).projection_rows("values", 1, everyone, labels=[convention])
+    (tmp_path / "moved").rename(weights)
     loaded = kvmem.open(atlas.path)
-    assert loaded.projection_rows("values", 1, range(atlas.d_ff), labels=[convention]).equals(want)
+    assert loaded.projection_rows("values", 1, everyone, labels=[convention]).equals(want)
     assert loaded.projections.loaded and len(list(remembered.iterdir())) == 2  # the whole tables' key, the layer's
-    monkeypatch.setattr(atlas_projections, "load_scanned_model", refuse)
+    weights.rename(tmp_path / "moved")
     again = kvmem.open(atlas.path)
-    assert again.projection_rows("values", 1, range(atlas.d_ff), labels=[convention]).equals(want)
+    assert again.projection_rows("values", 1, everyone, labels=[convention]).equals(want)
     assert not again.projections.loaded
-    with pytest.raises(kvmem.KvmemError, match="the model was loaded"):  # another layer is not kept: computing it
-        again.projection_rows("values", 0, range(atlas.d_ff), labels=[convention])  # needs the model
+    with pytest.raises(kvmem.KvmemError, match="cannot load here"):  # another layer is not kept: computing it
+        again.projection_rows("values", 0, everyone, labels=[convention])  # needs the model

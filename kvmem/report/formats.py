@@ -16,7 +16,7 @@ from kvmem.errors import KvmemError
 from kvmem.report import html, jsonfmt, markdown
 
 if TYPE_CHECKING:
-    from kvmem.atlas import NeuronRecord
+    from kvmem.neuron_record import NeuronRecord
 
 __all__ = ["FORMATS", "ReportFormat", "get_format"]
 
@@ -28,7 +28,7 @@ class ReportFormat:
     ``name``: the key in :data:`FORMATS` (``--format NAME``). ``suffix``: file suffix of each
     report and of the index (``.html``). ``description``: one line for ``--help``.
     ``write_neuron(record, data, out, stem) -> Path``: write one neuron's report (its
-    :class:`~kvmem.atlas.NeuronRecord` and ``kvmem.neuron/1`` dict) into directory ``out`` as
+    :class:`~kvmem.neuron_record.NeuronRecord` and ``kvmem.neuron/1`` dict) into directory ``out`` as
     ``stem + suffix`` (plus any files beside it) and return its path.
     ``render_index(rows, provenance) -> str``: the index text from ``kvmem.index/1`` rows.
     """
