@@ -24,6 +24,7 @@ import kvmem
 from kvmem import experiments as E
 from kvmem.conventions import convention_vectors
 from kvmem.errors import KvmemError
+from kvmem.experiments import ranks as ranks_module
 from kvmem.experiments.atlas_inputs import value_top_tokens
 from kvmem.experiments.ranks import SUMMARY_COLUMNS
 from kvmem.experiments.stats import single_cycle
@@ -140,15 +141,20 @@ def test_pair_ranks_counts_strictly_higher_scores():
     assert ranks.tolist() == [3, 1, 4, 2, 1]  # ties (row 1: three 2.0s) share the better rank
 
 
-def test_pair_ranks_in_blocks_equals_the_full_matrix():
+def test_pair_ranks_in_blocks_equals_the_full_matrix(monkeypatch):
+    """Blocks counted from one product of many rows, from products capped at a few blocks (rows without pairs
+    between them), and one product per block: the same ranks as numpy's count over the rows of one product."""
     generator = torch.Generator().manual_seed(0)
     vectors, basis = torch.randn(37, 8, generator=generator), torch.randn(8, 101, generator=generator)
     slots = np.random.default_rng(0).integers(0, 37, 200)
-    tokens = np.random.default_rng(1).integers(0, 101, 200)
+    slots = slots[(slots < 9) | (slots > 22)]  # blocks without pairs
+    tokens = np.random.default_rng(1).integers(0, 101, len(slots))
     scores = vectors @ basis
     expected = (scores[slots] > scores[slots, tokens][:, None]).sum(1).numpy() + 1
-    for block in (1, 5, 37, 64):
-        assert E.pair_ranks(vectors, basis, slots, tokens, block=block).tolist() == expected.tolist()
+    for cap in (1 << 29, 101 * 4 * 11, 1):  # products of every row, of 11 rows at most, of one block
+        monkeypatch.setattr(ranks_module, "_GEMM_BYTES", cap)
+        for block in (1, 5, 37, 64):
+            assert E.pair_ranks(vectors, basis, slots, tokens, block=block).tolist() == expected.tolist()
 
 
 def test_pair_ranks_by_counting_equal_the_ranks_of_a_full_argsort_ties_included():

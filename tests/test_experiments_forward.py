@@ -314,3 +314,67 @@ def test_smollm2_windows_start_with_endoftext_the_better_lm():
                          n_boot=20)
     assert frame.bos_token.tolist() == ["<|endoftext|>", "<|im_start|>"]
     assert frame.perplexity.iloc[0] < frame.perplexity.iloc[1]
+
+
+def test_layer_vs_memories_equals_plain_hf_hooks_and_numpy(gpt2_model, corpus_file):
+    """Every per-layer fraction under the raw convention, recomputed from a plain HF forward per sampled sequence
+    (hooks on ln_2's input, the MLP's activation and output, each block's output) and numpy: the logit lens is
+    ln_f then lm_head, the raw projection W_U alone, and a memory's token its value's top (bottom when m < 0)."""
+    import numpy as np
+
+    from kvmem.experiments.active import sample_for
+
+    settings = dict(positions=40, window=32, max_tokens=400, unit="paragraph", seed=3)
+    frame = E.layer_vs_memories(gpt2_model, corpus_file, convention="raw", top_memories=3, **settings)
+    sampled, _, _ = sample_for(gpt2_model, corpus_file, None, prepend_bos=None, **settings)
+    hf = gpt2_model.hf_model
+    blocks = hf.transformer.h
+    w_u = hf.lm_head.weight.detach().numpy().astype(np.float64)  # [vocab, d]
+    seen: dict = {}
+    handles = []
+    for layer, block in enumerate(blocks):
+        def keep(name, layer=layer):
+            return lambda module, args, output=None: seen.__setitem__(
+                (layer, name), (args[0] if output is None else output[0] if isinstance(output, tuple) else output)[0])
+        handles += [block.ln_2.register_forward_pre_hook(keep("mid")), block.mlp.register_forward_hook(keep("out")),
+                    block.mlp.act.register_forward_hook(keep("m")), block.register_forward_hook(keep("post"))]
+    rows = {key: [] for key in ("mid", "out", "m", "post")}
+    with torch.no_grad():
+        try:
+            for sequence, reads in zip(sampled.sequences, sampled.reads):
+                seen.clear()
+                hf(torch.tensor([sequence]))
+                for name in rows:
+                    rows[name].append([seen[(layer, name)][reads].numpy() for layer in range(len(blocks))])
+        finally:
+            for handle in handles:
+                handle.remove()
+    at = {name: [np.concatenate([part[layer] for part in parts]) for layer in range(len(blocks))]
+          for name, parts in rows.items()}
+
+    def lens(x):
+        return hf.lm_head(hf.transformer.ln_f(torch.from_numpy(x))).argmax(1).numpy()
+
+    values = np.stack([b.mlp.c_proj.weight.detach().numpy() for b in blocks])  # [L, d_ff, d] (Conv1D)
+    final = lens(at["post"][-1])
+    for layer in range(len(blocks)):
+        value_scores = values[layer].astype(np.float64) @ w_u.T  # [d_ff, vocab]
+        top, bottom = value_scores.argmax(1), value_scores.argmin(1)
+        m = at["m"][layer]
+        ffn = (at["out"][layer] @ w_u.T.astype(np.float32)).argmax(1)
+        released = (at["post"][layer] @ w_u.T.astype(np.float32)).argmax(1)
+        before, after = lens(at["mid"][layer]), lens(at["post"][layer])
+        predicted = np.where(m >= 0, top[None], bottom[None])
+        heavy = np.argsort(-(np.abs(m) * np.linalg.norm(values[layer], axis=1)[None]), axis=1, kind="stable")[:, :3]
+        agrees = predicted == ffn[:, None]
+        expected = {
+            "released_matches_none_positive": 1 - np.isin(released, top).mean(),
+            "active": (m > 0).sum(1).mean(),
+            "ffn_matches_active": (agrees & (m > 0)).any(1).mean(),
+            "ffn_matches_top3": np.take_along_axis(agrees, heavy, 1).any(1).mean(),
+            "before_is_final": (before == final).mean(), "after_is_final": (after == final).mean(),
+            "after_is_before": (after == before).mean(), "after_is_ffn": (after == ffn).mean()}
+        got = frame[frame.layer == layer].iloc[0]
+        assert got["positions"] == len(m) == 40
+        for column, value in expected.items():
+            assert got[column] == pytest.approx(value, abs=1e-12), (layer, column)

@@ -92,6 +92,19 @@ def memory_agreement(m: Tensor, ffn_top: Tensor, value_top: Tensor, value_bottom
             "matches_top": top_agrees.any(dim=1).numpy(), "matches_heaviest": top_agrees[:, 0].numpy()}
 
 
+_ROW_BYTES = 256 << 20  # the largest [rows, vocab] float32 score matrix _row_argmax makes at once
+
+
+def _row_argmax(scores_of, parts: list[Tensor], vocab: int) -> Tensor:
+    """The argmax over the vocabulary of ``scores_of(rows)`` ([rows, vocab]) for the rows of ``parts`` (each
+    [n_i, d_model]), concatenated in order -> [sum n_i], on as many rows at once as fit ``_ROW_BYTES`` of scores."""
+    import torch
+
+    rows = torch.cat(parts)
+    step = max(1, _ROW_BYTES // (4 * vocab))
+    return torch.cat([scores_of(rows[start:start + step]).argmax(dim=1) for start in range(0, len(rows), step)])
+
+
 def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300, seed: int = 0,
                       convention: str = "final_norm", top_memories: int = 10, threshold: float = 0.0,
                       abs_threshold: float = DEFAULT_ABS_THRESHOLD, layers: Sequence[int] | None = None,
@@ -129,34 +142,40 @@ def layer_vs_memories(model: Model, corpus: Any = None, *, positions: int = 300,
     sampled, corpus, settings = sample_for(model, corpus, atlas, positions=positions, seed=seed, window=window,
                                            prepend_bos=prepend_bos, max_tokens=max_tokens, unit=unit)
 
-    def lens_top(x: Tensor) -> Tensor:  # x [n, d_model] -> [n] top token of the real logit computation
-        return model.logits(x).argmax(dim=1)
-
     tops = {layer: tuple(torch.from_numpy(np.asarray(t)) for t in value_top_tokens(model, layer, convention, atlas=atlas))
             for layer in chosen}
     norms = {layer: model.written_values(layer).norm(dim=1) for layer in chosen}  # [d_ff]
     memory_tops = {layer: torch.unique(torch.cat([tops[layer][0 if side == "positive" else 1] for side in chosen_sides]))
                    for layer in chosen}  # [memories] every memory's top token, as the released code compares
+    vocab = model.unembedding().shape[1]
     keys = ("active", "matches_active", "matches_top", "matches_heaviest", "before_final", "after_final",
             "after_before", "after_ffn", "released", "released_positive")
     parts: dict[int, dict[str, list[np.ndarray]]] = {layer: {k: [] for k in keys} for layer in chosen}
 
     def on_batch(index: np.ndarray, captured: dict[str, Tensor]) -> None:
         with torch.inference_mode():
-            final = lens_top(captured[names[(last, "post")]])  # [n]
-            for layer in chosen:
+            n = len(index)
+            outs = [captured[names[(layer, "out")]] for layer in chosen]  # [n, d_model] each
+            posts = [captured[names[(layer, "post")]] for layer in chosen]
+            mids = [captured[names[(layer, "mid")]] if has_mid else post - out
+                    for layer, out, post in zip(chosen, outs, posts)]
+            # every layer's projections in a few large products (a row's top token does not depend on the rows
+            # beside it): per layer its FFN output and residual under the convention, and the logit lens before
+            # and after the FFN, then the final residual's
+            tops_of = _row_argmax(lambda x: project(model, x, convention=convention), [*outs, *posts], vocab)
+            lens_of = _row_argmax(model.logits, [*mids, *posts, captured[names[(last, "post")]]], vocab)
+            final = lens_of[2 * len(chosen) * n:]  # [n]
+            for i, layer in enumerate(chosen):
                 m = captured[names[(layer, "m")]]  # [n, d_ff]
-                out = captured[names[(layer, "out")]]  # [n, d_model]
-                post = captured[names[(layer, "post")]]  # [n, d_model]
-                mid = captured[names[(layer, "mid")]] if has_mid else post - out  # [n, d_model]
-                ffn_top = project(model, out, convention=convention).argmax(dim=1)  # [n]
+                ffn_top = tops_of[i * n:(i + 1) * n]  # [n]
                 active = m.abs() > abs_threshold if model.gated else m > threshold
                 got = memory_agreement(m, ffn_top, *tops[layer], active=active, weight=m.abs() * norms[layer][None],
                                        top_memories=top_memories)
-                released = project(model, post, convention=convention).argmax(dim=1)  # [n]
+                released = tops_of[(len(chosen) + i) * n:(len(chosen) + i + 1) * n]  # [n]
                 got.update(released=torch.isin(released, memory_tops[layer]).numpy(),
                            released_positive=torch.isin(released, tops[layer][0]).numpy())
-                before, after = lens_top(mid), lens_top(post)
+                before = lens_of[i * n:(i + 1) * n]
+                after = lens_of[(len(chosen) + i) * n:(len(chosen) + i + 1) * n]
                 got.update(before_final=(before == final).numpy(), after_final=(after == final).numpy(),
                            after_before=(after == before).numpy(), after_ffn=(after == ffn_top).numpy())
                 for k in keys:

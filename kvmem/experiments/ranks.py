@@ -88,15 +88,15 @@ SUMMARY_COLUMNS = {
 
 
 def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.ndarray, *,
-               signs: np.ndarray | None = None, block: int = 256) -> np.ndarray:
+               signs: np.ndarray | None = None, block: int = 256, work: Buffers | None = None) -> np.ndarray:
     """Rank of ``tokens[p]`` among the scores ``signs[p] * vectors[slots[p]] @ basis`` for each pair p.
 
     vectors [rows, d_model], basis [d_model, vocab], slots, tokens and signs (+1 / -1, default +1)
     [pairs]. Returns ranks [pairs] int64, 1 + #(scores strictly above the token's score): tokens tied
     with it do not count, so tied tokens share the best rank among them, as after a full sort. The
-    scores are float32, computed ``block`` rows × vocab at a time; the ranks of all pairs of a block are
-    counted in one pass over its rows (:func:`_count_beyond`: exactly the count over the row, whatever the
-    number of pairs).
+    scores are float32 (one GEMM of up to 512 MiB of scores); the ranks of all pairs of ``block`` rows are
+    counted in one pass over those rows (:func:`_count_beyond`: exactly the count over the row, whatever the
+    number of pairs). ``work``: scratch tensors kept between calls.
     """
     import torch
 
@@ -113,19 +113,29 @@ def pair_ranks(vectors: Tensor, basis: Tensor, slots: np.ndarray, tokens: np.nda
     order = np.argsort(slots, kind="stable")
     sorted_slots = slots[order]
     basis = basis.float()
-    work = Buffers()  # the blocks' scratch tensors, reused
+    work = work if work is not None else Buffers()  # the scratch tensors, reused
+    # a float32 GEMM runs faster on many rows, the count on few: the scores of several blocks come from one product
+    # (no larger than _GEMM_BYTES), and each block is counted on its own; a row's scores do not depend on its
+    # neighbours (checked bit for bit against one product per block in the tests)
+    vocab = basis.shape[1]
+    span = max(block, min(vectors.shape[0], _GEMM_BYTES // (4 * vocab)) // block * block)
+    starts = np.unique(sorted_slots // block) * block
     with torch.inference_mode():
-        for start in np.unique(sorted_slots // block) * block:
-            lo, hi = np.searchsorted(sorted_slots, [start, start + block])
-            rows = vectors[start:start + block].float()
-            scores = torch.matmul(rows, basis, out=work.get("scores", (rows.shape[0], basis.shape[1]),
-                                                            torch.float32)).numpy()  # [block, vocab]
-            members = order[lo:hi]
-            out[members] = _count_beyond(scores, slots[members] - start, tokens[members], signs[members],
-                                         work=work) + 1
+        for chunk in np.unique(starts // span) * span:
+            mine = starts[(starts >= chunk) & (starts < chunk + span)]
+            first, last = int(mine[0]), int(min(mine[-1] + block, vectors.shape[0]))
+            rows = vectors[first:last].float()
+            product = torch.matmul(rows, basis, out=work.get("scores", (rows.shape[0], vocab), torch.float32)).numpy()
+            for start in mine:
+                lo, hi = np.searchsorted(sorted_slots, [start, start + block])
+                members = order[lo:hi]
+                scores = product[start - first:start - first + block]  # [block, vocab]
+                out[members] = _count_beyond(scores, slots[members] - start, tokens[members], signs[members],
+                                             work=work) + 1
     return out
 
 
+_GEMM_BYTES = 512 << 20  # the largest score product pair_ranks computes at once
 _BINS = 4096  # uniform bins between a row's least and greatest needed score (see _count_beyond)
 
 
@@ -253,6 +263,7 @@ def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, conventi
         frame = frame.assign(trigger=frame.groupby(["layer", "neuron"]).cumcount().to_numpy())
         frames[side] = frame[frame.trigger.to_numpy() < triggers] if triggers is not None else frame
     parts = []
+    work = Buffers()  # the scores and the count's scratch, shared by every layer and convention
     for layer in chosen:
         laid = []  # per side: its rows of this layer, their shuffled partners and tokens
         for side in chosen_sides:
@@ -270,7 +281,7 @@ def next_token_ranks(atlas: Atlas | str | os.PathLike, model: Model, *, conventi
         signs = np.concatenate([np.full(3 * len(neuron), SIDES[side][2]) for side, _, neuron, *_ in laid])
         for name in conventions:
             vectors = convention_vectors(model, model.written_values(layer), name)  # [d_ff, d_model]
-            ranks = pair_ranks(vectors, unembedding, slots, wanted, signs=signs, block=block)
+            ranks = pair_ranks(vectors, unembedding, slots, wanted, signs=signs, block=block, work=work)
             at = 0
             for side, here, neuron, _, tokens, own_tokens, distinct in laid:
                 n = len(neuron)
