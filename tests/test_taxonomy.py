@@ -93,6 +93,25 @@ def test_vocab_moments_match_numpy_in_any_block_size():
     assert np.isnan(full["kurtosis"][7])
 
 
+
+def test_vocab_moments_of_a_row_do_not_depend_on_the_rows_taken_with_it(monkeypatch):
+    """The float64 moments taken 16 rows at a time (a lone last row joined to the group before), 2 at a time or all
+    at once: the same bits, since torch sums each row of a several-row reduction whole."""
+    from kvmem.taxonomy import weights
+
+    assert weights._row_groups(33, 16) == [(0, 16), (16, 33)] and weights._row_groups(1, 16) == [(0, 1)]
+    generator = torch.Generator().manual_seed(4)
+    values = torch.randn(33, 16, generator=generator)
+    w_u = torch.randn(16, 40_000, generator=generator)  # rows long enough for torch to split a lone one over threads
+    unit = w_u / w_u.norm(dim=0, keepdim=True)
+    results = []
+    for rows in (16, 2, 1000):
+        monkeypatch.setattr(weights, "MOMENT_ROWS", rows)
+        results.append(vocab_moments(values, unit, block=33))
+    for got in results[1:]:
+        for name in got:
+            np.testing.assert_array_equal(got[name], results[0][name])
+
 # ---- planted neurons: a small vocabulary so one token's column stands out (excess kurtosis ≈ d_model²/vocab) ----
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def planted(request, tmp_path_factory):

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--out", help="output .parquet (required with --model; default ATLAS/taxonomy.parquet)")
     parser.add_argument("--convention", default=None,
                         help="value projection the self-suppression rank reads (default: the atlas's default)")
-    parser.add_argument("--block", type=int, default=128, help="neurons per block of the vocabulary statistics")
+    parser.add_argument("--block", type=int, default=512, help="neurons per product of the vocabulary statistics")
     parser.add_argument("--device", default="cpu", help=device_help("cpu"))
     parser.add_argument("--revision", default=None, help="hub revision with --model")
 

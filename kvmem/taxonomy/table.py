@@ -132,7 +132,7 @@ def _to_arrow(frame: pd.DataFrame, metadata: dict):
 
 
 def build_taxonomy(model, *, atlas=None, thresholds: Thresholds | None = None, convention: str | None = None,
-                   block: int = 128) -> tuple[pd.DataFrame, dict]:
+                   block: int = 512) -> tuple[pd.DataFrame, dict]:
     """The taxonomy (DataFrame, metadata). Without ``atlas``: every layer of ``model``, weight columns only.
 
     With ``atlas``: its layers, plus the atlas columns; ``convention`` names the value projection the

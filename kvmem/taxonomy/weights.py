@@ -61,7 +61,7 @@ def null_space_basis(w_u: Tensor, k: int) -> Tensor:
     return vectors[:, :k]
 
 
-def vocab_moments(values: Tensor, unit_w_u: Tensor, *, block: int = 128) -> dict[str, np.ndarray]:
+def vocab_moments(values: Tensor, unit_w_u: Tensor, *, block: int = 512) -> dict[str, np.ndarray]:
     """Moments over the vocabulary of c_t = cos(W_U[:, t], v_i) for each row v_i of ``values`` [n, d_model].
 
     Returns ``mean``, ``std`` (population), ``skew`` (m3 / m2^1.5) and ``kurtosis`` (excess: m4 / m2² − 3),
@@ -83,21 +83,43 @@ def vocab_moments(values: Tensor, unit_w_u: Tensor, *, block: int = 128) -> dict
         v = values[start:start + block].float()  # [b, d_model]
         b = v.shape[0]
         norms = v.norm(dim=1, keepdim=True)
-        cos = buffer("cos", b, torch.float64).copy_(
-            torch.matmul(v / norms.clamp_min(1e-30), unit_w_u, out=buffer("scores", b, torch.float32)))  # [b, vocab]
-        mean = cos.mean(dim=1, keepdim=True)
-        centred = cos.sub_(mean)
-        sq = torch.mul(centred, centred, out=buffer("sq", b, torch.float64))
-        m2 = sq.mean(dim=1)
-        m3 = torch.mul(sq, centred, out=buffer("cube", b, torch.float64)).mean(dim=1)
-        m4 = sq.square_().mean(dim=1)
-        zero = (norms[:, 0] == 0) | (m2 == 0)
-        nan = torch.tensor(float("nan"), dtype=torch.float64, device=m2.device)
-        rows = slice(start, start + v.shape[0])
-        out["mean"][rows] = torch.where(zero, nan, mean[:, 0]).cpu().numpy()
-        out["std"][rows] = torch.where(zero, nan, m2.sqrt()).cpu().numpy()
-        out["skew"][rows] = torch.where(zero, nan, m3 / m2.pow(1.5)).cpu().numpy()
-        out["kurtosis"][rows] = torch.where(zero, nan, m4 / m2.square() - 3.0).cpu().numpy()
+        scores = torch.matmul(v / norms.clamp_min(1e-30), unit_w_u, out=buffer("scores", b, torch.float32))  # [b, vocab]
+        for lo, hi in _row_groups(b, MOMENT_ROWS):
+            _moments_into(out, start + lo, scores[lo:hi], norms[lo:hi, 0], buffer)
+    return out
+
+
+MOMENT_ROWS = 16  # rows whose float64 moments are taken together: their [rows, vocab] arrays stay in the CPU's cache
+
+
+def _row_groups(rows: int, size: int) -> list[tuple[int, int]]:
+    """[lo, hi) groups of ``size`` rows covering ``rows``; a last group of one row joins the one before, since torch
+    sums a lone row's reduction in another order (split over threads) than a row among several (each row whole)."""
+    groups = [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+    if len(groups) > 1 and groups[-1][1] - groups[-1][0] == 1:
+        groups[-2:] = [(groups[-2][0], rows)]
+    return groups
+
+
+def _moments_into(out: dict[str, np.ndarray], at: int, scores: Tensor, norms: Tensor, buffer) -> None:
+    """The float64 central moments of the rows of ``scores`` [r, vocab] (float32 cosines) into ``out`` at ``at``."""
+    import torch
+
+    r = scores.shape[0]
+    cos = buffer("cos", r, torch.float64).copy_(scores)
+    mean = cos.mean(dim=1, keepdim=True)
+    centred = cos.sub_(mean)
+    sq = torch.mul(centred, centred, out=buffer("sq", r, torch.float64))
+    m2 = sq.mean(dim=1)
+    m3 = torch.mul(sq, centred, out=buffer("cube", r, torch.float64)).mean(dim=1)
+    m4 = sq.square_().mean(dim=1)
+    zero = (norms == 0) | (m2 == 0)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=m2.device)
+    rows = slice(at, at + r)
+    out["mean"][rows] = torch.where(zero, nan, mean[:, 0]).cpu().numpy()
+    out["std"][rows] = torch.where(zero, nan, m2.sqrt()).cpu().numpy()
+    out["skew"][rows] = torch.where(zero, nan, m3 / m2.pow(1.5)).cpu().numpy()
+    out["kurtosis"][rows] = torch.where(zero, nan, m4 / m2.square() - 3.0).cpu().numpy()
     return out
 
 
@@ -110,7 +132,7 @@ def _cosine_rows(a: Tensor, b: Tensor) -> np.ndarray:
     return cos.cpu().numpy()
 
 
-def weight_statistics(model: Model, *, layers=None, thresholds: Thresholds | None = None, block: int = 128,
+def weight_statistics(model: Model, *, layers=None, thresholds: Thresholds | None = None, block: int = 512,
                       timing: dict | None = None) -> pd.DataFrame:
     """One row per (layer, neuron) of the weight columns of :data:`kvmem.taxonomy.table.COLUMNS`.
 
