@@ -33,6 +33,17 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("layer-vs-memories reads the lens before the FFN from the rows after it", "kvmem/experiments/layer_prediction.py",
+             "before = lens_of[i * n:(i + 1) * n]", "before = lens_of[(len(chosen) + i) * n:(len(chosen) + i + 1) * n]",
+             ("tests/test_experiments_forward.py",), "equals_plain_hf_hooks"),
+    Mutation("next-token rank counts a block from the product's first rows", "kvmem/experiments/ranks.py",
+             "scores = product[start - first:start - first + block]", "scores = product[start:start + block]",
+             ("tests/test_experiments.py",), "pair_ranks"),
+    Mutation("taxonomy moments take a lone last row on its own", "kvmem/taxonomy/weights.py",
+             "if len(groups) > 1 and groups[-1][1] - groups[-1][0] == 1:", "if False:",
+             ("tests/test_taxonomy.py",), "do_not_depend"),
+    Mutation("projection screen rescores only the first n candidates", "kvmem/scanning/projection_screen.py",
+             "m = max(n, int(inside.sum(dim=1).max()))", "m = n", ("tests/test_projection_screen.py",), None),
     Mutation("a lazy atlas's one-convention values read every convention", "kvmem/atlas_projections.py",
              "model, labels=(convention,))", "model, labels=None)", ("tests/test_taxonomy.py",), "lazy"),
     Mutation("projection rescoring sums d_model in another order", "kvmem/scanning/projection_screen.py",

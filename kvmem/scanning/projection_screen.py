@@ -1,6 +1,6 @@
 """The top and bottom n tokens of every row of ``vectors @ basis``, exactly, on any device: a float32 GEMM
-screens every score, ``torch.topk`` keeps 2n + 8 per side, and the candidates are rescored exactly in
-torch (:func:`project_rows`). Where the margin is too thin (more than the kept candidates could tie, e.g.
+screens every score, ``torch.topk`` keeps 2n + 8 per side, and the candidates among them (within twice
+the screen's error bound of the n-th) are rescored exactly in torch (:func:`project_rows`). Where the margin is too thin (more than the kept candidates could tie, e.g.
 an all-zero vector where every token ties, or scores near float32's range) a row is rescored in full;
 :class:`~kvmem.scanning.projection_rules.ProjectionStats` counts both.
 
@@ -54,7 +54,8 @@ def project_rows(vectors: Tensor, basis: Tensor | Basis, n: int, *, block: int |
 
 def _screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
     """Per row one bound E (eps at its largest over the tokens); the top 2n + 8 by S hold every candidate
-    when their last is below the n-th minus 2E (likewise the bottom)."""
+    when their last is below the n-th minus 2E (likewise the bottom), and the candidates are those of them
+    within 2E of the n-th: a token below the n-th S minus 2E scores exactly below the n-th exact score."""
     device = basis.matrix.device
     vocab = basis.vocab
     keep = min(vocab, 2 * n + _SPARE)
@@ -77,12 +78,19 @@ def _screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
                for dtype in (torch.int64, torch.float32, torch.int64, torch.float32)]
         if ok.any():
             rows = ok.nonzero().squeeze(1)
-            for side, (ids, largest) in enumerate(((top.indices, True), (bottom.indices, False))):
-                ids = ids[rows].sort(dim=1).values  # [ok rows, keep], ascending
+            # the candidates: S >= the n-th S - 2E (top), S <= the n-th S + 2E (bottom), a prefix of each row's
+            # topk in its order; the rows of a block rescore as many as the row that has most
+            edge = {True: top.values[:, n - 1].double() - 2 * bound, False: bottom.values[:, n - 1].double() + 2 * bound}
+            for side, (found, largest) in enumerate(((top, True), (bottom, False))):
+                values = found.values[rows].double()
+                inside = values >= edge[True][rows, None] if largest else values <= edge[False][rows, None]
+                m = max(n, int(inside.sum(dim=1).max()))
+                ids = found.indices[rows, :m].sort(dim=1).values  # [ok rows, m], ascending
                 step = rows.numel() if device.type == "cuda" else 64  # a GPU takes the block at once
                 scores = _exact_gathered(a[rows], basis.columns, ids, rows_per_step=step)
                 chosen, scores = _order(ids, scores, n, largest)
                 out[2 * side][rows], out[2 * side + 1][rows] = chosen, scores
+                candidates += m * rows.numel()
             screened += rows.numel()
         if not ok.all():
             rows = (~ok).nonzero().squeeze(1)
@@ -92,7 +100,6 @@ def _screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
                 chosen, kept = _order(ids, scores, n, largest)
                 out[2 * side][rows], out[2 * side + 1][rows] = chosen, kept
         parts.append(out)
-    candidates = 2 * keep * screened
     rows = vectors.shape[0]
     stats = ProjectionStats(METHOD, rows, candidates, rows - screened)
     return Projection(*(torch.cat([p[i] for p in parts]).cpu() for i in range(4)), stats)
