@@ -1,7 +1,8 @@
 """The top and bottom n tokens of every row of ``vectors @ basis``, exactly, on any device: a float32 GEMM
 screens every score, ``torch.topk`` keeps 2n + 8 per side, and the candidates among them (within twice
-the screen's error bound of the n-th) are rescored exactly in torch (:func:`project_rows`). Where the margin is too thin (more than the kept candidates could tie, e.g.
-an all-zero vector where every token ties, or scores near float32's range) a row is rescored in full;
+the screen's error bound of the n-th) are rescored exactly in torch (:func:`project_rows`). Where the
+margin is too thin (more than the kept candidates could tie, e.g. an all-zero vector where every token
+ties, or scores near float32's range) a row is rescored in full;
 :class:`~kvmem.scanning.projection_rules.ProjectionStats` counts both.
 
 What a score is, the tie order and the screen's error bound (with its proof):
@@ -78,12 +79,12 @@ def _screen(vectors: Tensor, basis: Basis, n: int, block: int) -> Projection:
                for dtype in (torch.int64, torch.float32, torch.int64, torch.float32)]
         if ok.any():
             rows = ok.nonzero().squeeze(1)
-            # the candidates: S >= the n-th S - 2E (top), S <= the n-th S + 2E (bottom), a prefix of each row's
-            # topk in its order; the rows of a block rescore as many as the row that has most
-            edge = {True: top.values[:, n - 1].double() - 2 * bound, False: bottom.values[:, n - 1].double() + 2 * bound}
             for side, (found, largest) in enumerate(((top, True), (bottom, False))):
-                values = found.values[rows].double()
-                inside = values >= edge[True][rows, None] if largest else values <= edge[False][rows, None]
+                # the candidates: S >= the n-th S - 2E (top), S <= the n-th S + 2E (bottom), a prefix of each row's
+                # topk in its order; the rows of a block rescore as many as the row that has most
+                values, bound_2e = found.values[rows].double(), 2 * bound[rows, None]
+                nth = values[:, n - 1:n]
+                inside = values >= nth - bound_2e if largest else values <= nth + bound_2e
                 m = max(n, int(inside.sum(dim=1).max()))
                 ids = found.indices[rows, :m].sort(dim=1).values  # [ok rows, m], ascending
                 step = rows.numel() if device.type == "cuda" else 64  # a GPU takes the block at once
