@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# the keys table's vectors as the explorer's neuron page names them
+_KEY_VECTORS = {"key": "key k (a row of W1 / W_up)", "gate": "gate g (a row of W_gate)"}
+
+
 def _print_neuron(atlas, layer: int, neuron: int, args: argparse.Namespace) -> None:
     record = atlas.neuron(layer, neuron, convention=args.convention)
     print(record)
@@ -91,8 +95,8 @@ def _print_neuron(atlas, layer: int, neuron: int, args: argparse.Namespace) -> N
     for vector in dict.fromkeys(keys.get("vector", [])):
         part = keys[keys.vector == vector]
         for kind in dict.fromkeys(part.kind):
-            print(f"\n{vector} key, tokens whose input embedding it {'matches' if kind == 'promote' else 'opposes'} "
-                  f"most ({kind}):")
+            print(f"\n{_KEY_VECTORS.get(vector, vector)}, tokens whose input embedding it "
+                  f"{'matches' if kind == 'promote' else 'opposes'} most ({kind}):")
             print_table(part[part.kind == kind][["rank", "token", "score"]].head(args.n))
     for kind in ("top", "bottom"):
         print(f"\n{kind} triggers (the trigger token in [[ ]]):")
