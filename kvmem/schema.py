@@ -23,7 +23,7 @@ layer and hold at most ``ROW_GROUP_NEURONS`` neurons, so a selection reads one r
 from __future__ import annotations
 
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "TABLES", "COLUMNS", "ROW_GROUP_NEURONS", "TRIGGER_KINDS",
-           "SAMPLE_KINDS", "KEY_VECTORS", "CONTEXT_KEY", "CONTEXT_TEXT", "TRIGGER_VIEW", "SAMPLE_VIEW", "arrow_schema",
+           "SAMPLE_KINDS", "KEY_VECTORS", "KEY_VECTOR_NAMES", "KEY_VECTOR_ROWS", "CONTEXT_KEY", "CONTEXT_TEXT", "TRIGGER_VIEW", "SAMPLE_VIEW", "arrow_schema",
            "conform"]
 
 # 2: manifest records the batching plan (block_documents, batch_size, max_tokens) and timing per
@@ -40,6 +40,9 @@ SAMPLE_KINDS = ("random", "bin")
 
 TRIGGER_KINDS = ("top", "bottom", "top_doc", "bottom_doc")  # *_doc: one trigger per document
 KEY_VECTORS = ("key", "gate")  # key: W1 / W_up row; gate: W_gate row (gated FFNs only)
+# how pages, reports and the CLI name each vector, and the weight row it is
+KEY_VECTOR_NAMES = {"key": "key k", "gate": "gate key g"}
+KEY_VECTOR_ROWS = {"key": "a row of W1 / W_up", "gate": "a row of W_gate"}
 
 # table -> column -> meaning (the order is the column order on disk)
 COLUMNS: dict[str, dict[str, str]] = {

@@ -107,7 +107,7 @@ def test_neuron_prints_its_key_projections(atlas, capsys):
     out = capsys.readouterr().out
     keys = atlas.keys(1, 5)
     assert "key k (a row of W1 / W_up), tokens whose input embedding it matches most" in out
-    assert "key key" not in out and "gate g" not in out  # GPT-2 has no gate
+    assert "key key" not in out and "gate key g" not in out  # GPT-2 has no gate
     first = keys[keys.kind == keys.kind.iloc[0]].sort_values("rank").token.iloc[0]
     assert repr(first) in out
 

@@ -98,6 +98,16 @@ def test_explanations_and_taxonomy_on_the_neuron(explorer_atlas, explorer_server
     assert view["neuron"]["taxonomy"]["rare"] == bool(taxonomy["rare"])
 
 
+
+def test_a_gated_neuron_page_heads_both_key_tables_by_name(explorer_atlas, explorer_server):
+    keys = _table(explorer_atlas, "keys")
+    assert set(keys.vector) == {"key", "gate"}  # the llama atlas is gated
+    status, _, body = explorer_server.get("/neuron/1/7")
+    html = body.decode()
+    assert status == 200
+    assert '<h3>key k</h3>\n<table class="bt projection" id="keys-key">' in html
+    assert '<h3>gate key g</h3>\n<table class="bt projection" id="keys-gate">' in html
+
 # ---- search ----
 def test_search_by_promoted_token_sorted_and_paginated(explorer_atlas, explorer_server):
     values = _table(explorer_atlas, "values")

@@ -13,6 +13,7 @@ import kvmem
 from kvmem.cli.options import add_atlas_option, add_neurons_option, neuron_id, parse_neurons
 from kvmem.cli.printing import print_table
 from kvmem.conventions import CONVENTIONS, DEFAULT_CONVENTION
+from kvmem.schema import KEY_VECTOR_NAMES, KEY_VECTOR_ROWS
 
 _CONVENTION_HELP = f"value projection convention (default {DEFAULT_CONVENTION} if the atlas has it)"
 
@@ -77,10 +78,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# the keys table's vectors as the explorer's neuron page names them
-_KEY_VECTORS = {"key": "key k (a row of W1 / W_up)", "gate": "gate g (a row of W_gate)"}
-
-
 def _print_neuron(atlas, layer: int, neuron: int, args: argparse.Namespace) -> None:
     record = atlas.neuron(layer, neuron, convention=args.convention)
     print(record)
@@ -94,8 +91,9 @@ def _print_neuron(atlas, layer: int, neuron: int, args: argparse.Namespace) -> N
         print("\nkey projections: not in this atlas (scanned with key_projections off)")
     for vector in dict.fromkeys(keys.get("vector", [])):
         part = keys[keys.vector == vector]
+        name = f"{KEY_VECTOR_NAMES[vector]} ({KEY_VECTOR_ROWS[vector]})" if vector in KEY_VECTOR_NAMES else vector
         for kind in dict.fromkeys(part.kind):
-            print(f"\n{_KEY_VECTORS.get(vector, vector)}, tokens whose input embedding it "
+            print(f"\n{name}, tokens whose input embedding it "
                   f"{'matches' if kind == 'promote' else 'opposes'} most ({kind}):")
             print_table(part[part.kind == kind][["rank", "token", "score"]].head(args.n))
     for kind in ("top", "bottom"):

@@ -9,6 +9,7 @@ from urllib.parse import urlencode
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from kvmem.report.safe_text import visible
+from kvmem.schema import KEY_VECTOR_NAMES
 from kvmem.shading import LEVELS, Cell, shown
 
 __all__ = ["environment", "num", "cell_class"]
@@ -62,5 +63,5 @@ def environment() -> Environment:
     env = Environment(loader=PackageLoader("kvmem.explorer", "templates"), autoescape=select_autoescape(["html"]),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(num=num, pct=pct, tok=shown, chip=chip, inline=visible, cell_class=cell_class)
-    env.globals.update(with_params=with_params)
+    env.globals.update(with_params=with_params, key_vector_names=KEY_VECTOR_NAMES)
     return env

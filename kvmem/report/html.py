@@ -17,6 +17,7 @@ from kvmem.report.figures import neuron_figures
 from kvmem.report.index import INDEX_COLUMNS
 from kvmem.report.safe_text import html_text as esc
 from kvmem.report.safe_text import write_text
+from kvmem.schema import KEY_VECTOR_NAMES
 
 __all__ = ["context_html", "fmt", "render_index", "render_neuron", "template", "token_html", "write_neuron"]
 
@@ -179,12 +180,18 @@ def _values(data: dict, figures: dict) -> str:
     return "".join(out)
 
 
+def key_vector_title(vector: str) -> str:
+    """A keys table's vector as a heading: "Key k", "Gate key g" (a name kvmem does not know, as it is)."""
+    name = KEY_VECTOR_NAMES.get(vector)
+    return name[:1].upper() + name[1:] if name else vector
+
+
 def _keys(data: dict) -> str:
     gate = "; a gated neuron has a second key, the gate g" if data["provenance"]["gated"] else ""
     out = ["<h2>Key projection</h2>",
            f"<p>Input-embedding tokens that best match the key (score = W<sub>E</sub>[token] · k, no norm){gate}.</p>"]
     for vector, groups in data["keys"].items():
-        out.append(f"<h3>{'Key k' if vector == 'key' else 'Gate key g' if vector == 'gate' else esc(vector)}</h3>"
+        out.append(f"<h3>{esc(key_vector_title(vector))}</h3>"
                    + _projection_table(groups, ("highest", "lowest")))
     return "".join(out)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmem.report.figures import neuron_figures
-from kvmem.report.html import TRIGGER_TITLES, fmt
+from kvmem.report.html import TRIGGER_TITLES, fmt, key_vector_title
 from kvmem.report.index import INDEX_COLUMNS
 from kvmem.report.safe_text import md_code, md_text, write_text
 
@@ -95,7 +95,7 @@ def render_neuron(data: dict, figures: list, *, folder: str) -> str:
             out += ["", _image(f"values_{convention}", folder, captions[f"values_{convention}"])]
     out += ["", "## Key projection", "", "Input-embedding tokens that best match the key (score = W_E[token] · k)."]
     for vector, groups in data["keys"].items():
-        out += ["", f"### {'Key k' if vector == 'key' else 'Gate key g' if vector == 'gate' else md_text(vector)}", "",
+        out += ["", f"### {md_text(key_vector_title(vector))}", "",
                 _projection(groups, ("highest", "lowest"))]
     out += ["", "## Does the value promote what follows the triggers?", "",
             ("Top triggers are checked against the promoted tokens, bottom triggers (m < 0 flips the value) against "
