@@ -1,10 +1,18 @@
 """Scan a fixed set of settings, and compare two such sets file by file.
 
-Used to show that a change to the scan engine leaves every table byte-identical:
+Used to show that a change leaves every table and every command's output byte-identical:
 
     python benchmarks/compare_atlases.py scan BEFORE        # on the old code
+    python benchmarks/compare_atlases.py outputs BEFORE     # on the old code: every command on two atlases
     python benchmarks/compare_atlases.py scan AFTER --models BEFORE/models   # on the new code
+    python benchmarks/compare_atlases.py outputs AFTER --models BEFORE/models
     python benchmarks/compare_atlases.py compare BEFORE AFTER
+
+``outputs`` copies the tiny GPT-2 and tiny Llama atlases and runs the command line on each, in a fresh
+process per command (:data:`COMMANDS`: info, neuron, top, trace, generate, project, taxonomy, explain, score,
+every experiment, reports in each format, the neuron-explainer export), into ``DIR/outputs-<setting>``: what a
+command prints becomes a ``.txt`` file, what it writes stays where it wrote it. Only the command line is used,
+so the same script runs on code before and after a move.
 
 Each setting is scanned in a fresh process, with the projection tables written (``projections="eager"``),
 into ``DIR/<setting>-torch`` (the torch reference, the one streaming path). ``compare`` checks every
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -69,6 +78,61 @@ def scan_all(root: Path, models: Path, only: list[str] | None) -> None:
         subprocess.run([sys.executable, __file__, "_one", setting, str(target), "--models", str(models)],
                        env={**os.environ, "KVMEM_KERNELS": "torch"}, check=True)  # read by a kvmem that had a choice
         print(f"scanned {target.name}", flush=True)
+
+
+# the command lines of ``outputs``, run in DIR/outputs-<setting> with ATLAS and MODEL filled in: (name, arguments);
+# a name ending in .txt saves what the command prints
+COMMANDS: list[tuple[str, list[str]]] = [
+    ("info.txt", ["info", "--atlas", "ATLAS"]),
+    ("neuron.txt", ["neuron", "--atlas", "ATLAS", "0:3,1:5"]),
+    ("top-value.txt", ["top", "--atlas", "ATLAS", "--token", " the", "--by", "value", "-k", "5"]),
+    ("top-trigger.txt", ["top", "--atlas", "ATLAS", "--token", " the", "--by", "trigger", "-k", "5"]),
+    ("trace.txt", ["trace", "--model", "MODEL", "--top", "3", "The name of the function is"]),
+    ("generate.txt", ["generate", "--model", "MODEL", "--set", "1:5=4", "--position", "-1",
+                      "--max-new-tokens", "4", "It is"]),
+    ("taxonomy.txt", ["taxonomy", "--atlas", "ATLAS"]),
+    ("explain.txt", ["explain", "--atlas", "ATLAS", "--all", "--no-progress"]),
+    ("score.txt", ["score", "--atlas", "ATLAS", "--layers", "1", "--n-boot", "200", "--no-progress"]),
+    ("score-delphi.txt", ["score", "--atlas", "ATLAS", "--neurons", "0:0-7", "--protocol", "delphi",
+                          "--scorers", "detection,fuzzing", "--n-boot", "100", "--no-progress"]),
+    ("report-html.txt", ["report", "--atlas", "ATLAS", "--neurons", "0:3,1:5", "--format", "html", "--out",
+                         "report-html", "--no-progress"]),
+    ("report-md.txt", ["report", "--atlas", "ATLAS", "--neurons", "0:3,1:5", "--format", "md", "--out",
+                       "report-md", "--no-progress"]),
+    ("report-json.txt", ["report", "--atlas", "ATLAS", "--neurons", "0:3,1:5", "--format", "json", "--out",
+                         "report-json", "--no-progress"]),
+    ("export.txt", ["export", "--atlas", "ATLAS", "--format", "neuron-explainer", "--neurons", "0:3,1:5",
+                    "--model", "MODEL", "--out", "export", "--no-progress"]),
+    *[(f"experiment-{name}.txt", ["experiment", name, "--atlas", "ATLAS", "--model", "MODEL", "--out",
+                                  f"experiment-{name}", *extra])
+      for name, extra in [("agreement", []), ("next-token-rank", []),
+                          ("token-removal", ["--neurons-per-layer", "4", "--top-triggers", "3"]),
+                          ("active-memories", ["--positions", "200"]), ("layer-vs-memories", ["--positions", "100"]),
+                          ("lm-quality", [])]],
+    ("project.txt", ["project", "--atlas", "ATLAS", "--quiet"]),
+]
+OUTPUT_SETTINGS = ("gpt2-sorted", "llama-sorted")
+
+
+def outputs_all(root: Path, models: Path) -> None:
+    """Run :data:`COMMANDS` on a copy of each atlas of :data:`OUTPUT_SETTINGS` (scanned by ``scan`` into ``root``)."""
+    import shutil
+
+    for setting in OUTPUT_SETTINGS:
+        work = root / f"outputs-{setting}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        shutil.copytree(root / f"{setting}-torch", work / "atlas")
+        model = model_dir(SETTINGS[setting][0], models)
+        for name, arguments in COMMANDS:
+            line = [a.replace("ATLAS", "atlas").replace("MODEL", model) if a in ("ATLAS", "MODEL") else a
+                    for a in arguments]
+            done = subprocess.run([sys.executable, "-m", "kvmem", *line], cwd=work, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONHASHSEED": "0", "COLUMNS": "120"})
+            text = done.stdout + (f"\n[exit {done.returncode}]\n" + done.stderr[-2000:] if done.returncode else "")
+            text = re.sub(r"\d+(\.\d+)? ?(s|ms|seconds)\b", "TIME", text.replace(str(work), "WORK").replace(model, "MODEL"))
+            (work / name).write_text(text)
+        print(f"ran {len(COMMANDS)} commands in {work.name}", flush=True)
 
 
 def _manifest_view(path: Path) -> dict:
@@ -171,12 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("setting")
     one.add_argument("out", type=Path)
     one.add_argument("--models", type=Path, required=True)
-    cmp = sub.add_parser("compare", help="compare two directories written by 'scan'")
+    outs = sub.add_parser("outputs", help="run every command on copies of two scanned atlases (after 'scan')")
+    outs.add_argument("root", type=Path)
+    outs.add_argument("--models", type=Path, help="where the tiny Llama is built (default DIR/models)")
+    cmp = sub.add_parser("compare", help="compare two directories written by 'scan' (and 'outputs')")
     cmp.add_argument("before", type=Path)
     cmp.add_argument("after", type=Path)
     args = parser.parse_args(argv)
     if args.command == "scan":
         scan_all(args.root, args.models or args.root / "models", args.only.split(",") if args.only else None)
+        return 0
+    if args.command == "outputs":
+        outputs_all(args.root, args.models or args.root / "models")
         return 0
     if args.command == "_one":
         scan_one(args.setting, args.out, args.models)
